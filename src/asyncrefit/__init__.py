@@ -1,0 +1,84 @@
+"""asyncrefit: push freshly trained weights into LLM inference workers, awaited.
+
+The public API is re-exported here; everything in underscored modules is private.
+"""
+
+from ._budget import BudgetStatistics as BudgetStatistics
+from ._budget import ByteBudget as ByteBudget
+from ._coordinator import RefitCoordinator as RefitCoordinator
+from ._device import DeviceId as DeviceId
+from ._device import cpu_device as cpu_device
+from ._device import local_node_id as local_node_id
+from ._exceptions import AsyncRefitError as AsyncRefitError
+from ._exceptions import BudgetTooSmallError as BudgetTooSmallError
+from ._exceptions import CapacityExceededError as CapacityExceededError
+from ._exceptions import ClosedError as ClosedError
+from ._exceptions import DiscoveryError as DiscoveryError
+from ._exceptions import DuplicateWorkerError as DuplicateWorkerError
+from ._exceptions import ParameterMismatchError as ParameterMismatchError
+from ._exceptions import PlanError as PlanError
+from ._exceptions import PushError as PushError
+from ._exceptions import TransportError as TransportError
+from ._exceptions import UnknownDeviceError as UnknownDeviceError
+from ._exceptions import VersionError as VersionError
+from ._exceptions import WorkerDiedError as WorkerDiedError
+from ._exceptions import WorkerError as WorkerError
+from ._exceptions import WorkerRemoteError as WorkerRemoteError
+from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
+from ._messages import BucketAck as BucketAck
+from ._plan import Bucket as Bucket
+from ._plan import ParamSpec as ParamSpec
+from ._plan import Plan as Plan
+from ._plan import TensorEntry as TensorEntry
+from ._plan import plan_buckets as plan_buckets
+from ._plan import validate_worker as validate_worker
+from ._receiver import ParameterReceiver as ParameterReceiver
+from ._receiver import VersionState as VersionState
+from ._report import RefitReport as RefitReport
+from ._report import StageTimes as StageTimes
+from ._trainer import LocalTrainer as LocalTrainer
+from ._worker import SourceInfo as SourceInfo
+from ._worker import TrainerSource as TrainerSource
+from ._worker import Worker as Worker
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AsyncRefitError",
+    "Bucket",
+    "BucketAck",
+    "BudgetStatistics",
+    "BudgetTooSmallError",
+    "ByteBudget",
+    "CapacityExceededError",
+    "ClosedError",
+    "DeviceId",
+    "DiscoveryError",
+    "DuplicateWorkerError",
+    "LocalTrainer",
+    "ParamSpec",
+    "ParameterMismatchError",
+    "ParameterReceiver",
+    "Plan",
+    "PlanError",
+    "PushError",
+    "RefitCoordinator",
+    "RefitReport",
+    "SourceInfo",
+    "StageTimes",
+    "TensorEntry",
+    "TrainerSource",
+    "TransportError",
+    "UnknownDeviceError",
+    "VersionError",
+    "VersionState",
+    "Worker",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerRemoteError",
+    "WorkerTimeoutError",
+    "cpu_device",
+    "local_node_id",
+    "plan_buckets",
+    "validate_worker",
+)

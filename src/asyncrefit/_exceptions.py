@@ -1,0 +1,187 @@
+"""The exception hierarchy.
+
+Every error asyncrefit raises derives from :class:`AsyncRefitError`. Messages are built
+in ``__init__`` from the fields, so the fields stay available to callers that handle
+the error programmatically and the message always says *what* and *where*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import anyio
+
+
+class AsyncRefitError(Exception):
+    """Base class of every error raised by asyncrefit."""
+
+
+# --- planning and validation: raised before any byte moves ---------------------------
+
+
+class PlanError(AsyncRefitError):
+    """The parameter set cannot be planned or does not match a worker."""
+
+
+class ParameterMismatchError(PlanError):
+    """A worker's declared parameters do not match the trainer's."""
+
+    def __init__(self, worker: str, parameter: str, problem: str) -> None:
+        self.worker = worker
+        self.parameter = parameter
+        self.problem = problem
+        super().__init__(f"worker {worker!r}, parameter {parameter!r}: {problem}")
+
+
+class BudgetTooSmallError(PlanError):
+    """The memory budget cannot hold the largest bucket."""
+
+    def __init__(self, budget_bytes: int, needed_bytes: int, what: str) -> None:
+        self.budget_bytes = budget_bytes
+        self.needed_bytes = needed_bytes
+        self.what = what
+        super().__init__(
+            f"memory budget of {budget_bytes} bytes is smaller than {what} "
+            f"({needed_bytes} bytes)"
+        )
+
+
+class CapacityExceededError(AsyncRefitError):
+    """A budget request is larger than the whole budget and could never be granted."""
+
+    def __init__(self, requested: int, capacity: int) -> None:
+        self.requested = requested
+        self.capacity = capacity
+        super().__init__(
+            f"requested {requested} bytes from a budget of {capacity} bytes in total"
+        )
+
+
+# --- discovery ---------------------------------------------------------------------
+
+
+class DiscoveryError(AsyncRefitError):
+    """The set of workers is not usable (duplicates, devices without a source)."""
+
+
+class DuplicateWorkerError(DiscoveryError):
+    """Two workers share a name, or the same worker was given twice."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        super().__init__(f"worker {worker!r} is given more than once")
+
+
+class UnknownDeviceError(DiscoveryError):
+    """A worker reported a device that no trainer source can serve."""
+
+    def __init__(self, worker: str, device: object, served: Iterable[object]) -> None:
+        self.worker = worker
+        self.device = device
+        served_text = ", ".join(str(d) for d in served) or "none"
+        super().__init__(
+            f"worker {worker!r} is on device {device}, which no trainer source serves "
+            f"(served: {served_text})"
+        )
+
+
+# --- versions ----------------------------------------------------------------------
+
+
+class VersionError(AsyncRefitError):
+    """A push asked for a version that is not newer than the last complete one."""
+
+    def __init__(self, version: int, current: int) -> None:
+        self.version = version
+        self.current = current
+        super().__init__(
+            f"version {version} is not newer than the last complete version {current}"
+        )
+
+
+# --- workers and transports ----------------------------------------------------------
+
+
+class WorkerError(AsyncRefitError):
+    """A worker failed; ``worker`` names it."""
+
+    def __init__(self, worker: str, detail: str) -> None:
+        self.worker = worker
+        self.detail = detail
+        super().__init__(f"worker {worker!r}: {detail}")
+
+
+class WorkerDiedError(WorkerError):
+    """A worker's process or connection went away."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """A worker did not answer within the configured time."""
+
+
+class WorkerRemoteError(WorkerError):
+    """A worker raised while handling a request; ``remote_type`` is the error's type."""
+
+    def __init__(self, worker: str, remote_type: str, message: str) -> None:
+        self.remote_type = remote_type
+        self.remote_message = message
+        super().__init__(worker, f"{remote_type}: {message}")
+
+
+class TransportError(AsyncRefitError):
+    """A transport could not create, export or open a buffer."""
+
+
+class ClosedError(AsyncRefitError):
+    """The coordinator, transport or worker was used after it was closed."""
+
+
+# --- a failed push -------------------------------------------------------------------
+
+
+class PushError(AsyncRefitError):
+    """A push failed; the workers it touched hold no complete version.
+
+    ``cause`` is the typed error that failed the push (also chained as
+    ``__cause__``); ``incomplete`` names every worker left without a complete version,
+    and ``failed`` the worker the failure came from, when there is one.
+    """
+
+    def __init__(
+        self,
+        version: int,
+        cause: BaseException,
+        incomplete: Iterable[str],
+        failed: str | None,
+    ) -> None:
+        self.version = version
+        self.cause = cause
+        self.incomplete = tuple(sorted(incomplete))
+        self.failed = failed
+        where = f" at worker {failed!r}" if failed is not None else ""
+        left = ", ".join(repr(w) for w in self.incomplete) or "none"
+        super().__init__(
+            f"push of version {version} failed{where}: {cause}; "
+            f"workers without a complete version: {left}"
+        )
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def primary_error(exc: BaseException) -> BaseException | None:
+    """The one error a failed task group stands for; ``None`` if it was only cancelled.
+
+    Worker errors come first (they name where it failed), then other asyncrefit
+    errors, then anything else.
+    """
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves = [e for e in _leaves(exc) if not isinstance(e, cancelled)]
+    for kind in (WorkerError, AsyncRefitError, Exception, BaseException):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                return leaf
+    return None

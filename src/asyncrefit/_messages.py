@@ -1,0 +1,181 @@
+"""Wire types: what a coordinator and a worker say to each other.
+
+Every message is a frozen, slotted, keyword-only dataclass. Requests and replies each
+form one union, dispatched with ``match``. Handles are transport records (see
+:mod:`asyncrefit.transport`): small, and never tensors or coroutines.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from ._device import DeviceId
+from ._plan import ParamSpec
+from .transport._base import Handle
+
+# --- requests ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportDevice:
+    """Ask for the worker's device id (answered by ``report_device_id_async``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GetSpecs:
+    """Ask for the worker's parameter specs."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BeginUpdate:
+    """Start receiving ``version``: from now on the worker holds no complete version."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadBucket:
+    """Copy bucket ``bucket`` of ``version`` from the handle for the worker's device.
+
+    ``handles`` holds exactly one handle when dispatch is filtered; the
+    broadcast-all baseline sends every device's handle and lets the worker pick.
+    """
+
+    version: int
+    bucket: int
+    handles: tuple[Handle, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitUpdate:
+    """Every one of ``buckets`` buckets of ``version`` was sent: the version is whole."""
+
+    version: int
+    buckets: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortUpdate:
+    """Give up ``version``; answered only after every view of a buffer is dropped."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GetVersion:
+    """Ask which complete version the worker holds (``None``: none)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReleaseHandles:
+    """Close every cached handle: the trainer is about to free its buffers."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Digest:
+    """Diagnostics: a digest of every parameter's bytes, by name."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward:
+    """Diagnostics: run the worker's model on ``inputs`` and return the output."""
+
+    inputs: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown:
+    """Close handles and exit."""
+
+
+Request: TypeAlias = (
+    ReportDevice
+    | GetSpecs
+    | BeginUpdate
+    | LoadBucket
+    | CommitUpdate
+    | AbortUpdate
+    | GetVersion
+    | ReleaseHandles
+    | Digest
+    | Forward
+    | Shutdown
+)
+
+# --- replies -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceReply:
+    device: DeviceId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpecsReply:
+    specs: tuple[ParamSpec, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketAck:
+    """The worker copied ``nbytes`` of ``bucket`` and dropped its views."""
+
+    bucket: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Done:
+    """A request without a result succeeded."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VersionReply:
+    version: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DigestReply:
+    digests: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardReply:
+    output: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorReply:
+    """The request failed on the worker: the error's type name and message, as text."""
+
+    type: str
+    message: str
+
+
+Reply: TypeAlias = (
+    DeviceReply
+    | SpecsReply
+    | BucketAck
+    | Done
+    | VersionReply
+    | DigestReply
+    | ForwardReply
+    | ErrorReply
+)
+
+
+def encode(message: object) -> bytes:
+    """Serialize a message (pickle protocol 5: local, trusted peers only)."""
+    return pickle.dumps(message, protocol=5)
+
+
+def decode(data: bytes) -> Any:
+    """The inverse of :func:`encode`."""
+    return pickle.loads(data)
+
+
+def encoded_size(message: object) -> int:
+    """Bytes :func:`encode` makes of ``message``: what handle accounting reports."""
+    return len(encode(message))

@@ -1,0 +1,217 @@
+"""Planning: parameter specs to packed, aligned buckets; validation against workers.
+
+Everything here is pure and synchronous: no I/O, no tensors, no clocks. The plan is a
+value that the coordinator computes once and reuses while the parameter set is
+unchanged (compared by :attr:`Plan.fingerprint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ._exceptions import ParameterMismatchError, PlanError
+
+#: Default alignment of every tensor inside a bucket, in bytes.
+DEFAULT_ALIGNMENT = 256
+
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype given by name (``"bfloat16"``)."""
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise PlanError(f"unsupported dtype {dtype!r}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """What a parameter is: its name, shape and dtype name (``"float32"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorEntry:
+    """Where one tensor lives inside a bucket."""
+
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bucket:
+    """A group of tensors packed into one contiguous buffer of ``nbytes``."""
+
+    index: int
+    nbytes: int
+    entries: tuple[TensorEntry, ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data, without alignment padding."""
+        return sum(e.nbytes for e in self.entries)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """The buckets of a parameter set, in transfer order."""
+
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+    alignment: int
+    fingerprint: str
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.payload_bytes for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    @property
+    def specs(self) -> dict[str, ParamSpec]:
+        return {
+            e.name: ParamSpec(name=e.name, shape=e.shape, dtype=e.dtype)
+            for b in self.buckets
+            for e in b.entries
+        }
+
+
+def fingerprint(specs: Iterable[ParamSpec]) -> str:
+    """A digest of names, shapes and dtypes, in order: equal iff the set is unchanged."""
+    h = hashlib.blake2b(digest_size=16)
+    for s in specs:
+        h.update(f"{s.name}\0{s.shape}\0{s.dtype}\n".encode())
+    return h.hexdigest()
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def plan_buckets(
+    specs: Sequence[ParamSpec], bucket_bytes: int, *, alignment: int = DEFAULT_ALIGNMENT
+) -> Plan:
+    """Pack ``specs`` in order into buckets of at most ``bucket_bytes``.
+
+    Every tensor starts at a multiple of ``alignment``. A tensor larger than
+    ``bucket_bytes`` gets a bucket of its own, exactly its size (the caller's budget
+    must still hold it). The result depends only on the arguments.
+
+    Raises :class:`PlanError` for duplicate names, an empty set, a non-positive
+    ``bucket_bytes`` or an ``alignment`` that is not a power of two.
+    """
+    if bucket_bytes <= 0:
+        raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise PlanError(f"alignment must be a power of two, got {alignment}")
+    if not specs:
+        raise PlanError("the trainer has no parameters to send")
+    seen: set[str] = set()
+    buckets: list[Bucket] = []
+    current: list[TensorEntry] = []
+    end = 0  # first free byte of the current bucket
+
+    def close() -> None:
+        nonlocal current, end
+        if current:
+            buckets.append(Bucket(index=len(buckets), nbytes=end, entries=tuple(current)))
+        current, end = [], 0
+
+    for spec in specs:
+        if spec.name in seen:
+            raise PlanError(f"parameter {spec.name!r} is given twice")
+        seen.add(spec.name)
+        if any(d < 0 for d in spec.shape):
+            raise PlanError(f"parameter {spec.name!r} has a negative dimension {spec.shape}")
+        nbytes = spec.nbytes
+        offset = _align(end, alignment)
+        if current and offset + nbytes > bucket_bytes:
+            close()
+            offset = 0
+        current.append(
+            TensorEntry(
+                name=spec.name, offset=offset, nbytes=nbytes, shape=spec.shape, dtype=spec.dtype
+            )
+        )
+        end = offset + nbytes
+        if end >= bucket_bytes:
+            close()  # full, or an oversized tensor alone in its bucket
+    close()
+    return Plan(
+        buckets=tuple(buckets),
+        bucket_bytes=bucket_bytes,
+        alignment=alignment,
+        fingerprint=fingerprint(specs),
+    )
+
+
+def validate_worker(
+    expected: Mapping[str, ParamSpec], worker: str, declared: Iterable[ParamSpec]
+) -> None:
+    """Check a worker's declared parameters against the trainer's, name by name.
+
+    The sets must be equal: a trainer parameter the worker lacks would be lost, and a
+    worker parameter the trainer does not send would silently keep a stale value.
+    Raises :class:`ParameterMismatchError` naming the first offending parameter (in
+    sorted order) and the worker.
+    """
+    have = {}
+    for spec in declared:
+        if spec.name in have:
+            raise ParameterMismatchError(worker, spec.name, "declared twice by the worker")
+        have[spec.name] = spec
+    for name in sorted(expected.keys() | have.keys()):
+        want, got = expected.get(name), have.get(name)
+        if got is None:
+            raise ParameterMismatchError(worker, name, "the worker has no such parameter")
+        if want is None:
+            raise ParameterMismatchError(worker, name, "the trainer does not send it")
+        if want.shape != got.shape:
+            raise ParameterMismatchError(
+                worker, name, f"shape {list(got.shape)} on the worker, "
+                f"{list(want.shape)} on the trainer"
+            )
+        if want.dtype != got.dtype:
+            raise ParameterMismatchError(
+                worker, name, f"dtype {got.dtype} on the worker, {want.dtype} on the trainer"
+            )

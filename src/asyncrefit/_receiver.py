@@ -1,0 +1,219 @@
+"""The worker side of a refit: version bookkeeping and copying buckets into parameters.
+
+:class:`VersionState` is the pure state machine of what a worker holds.
+:class:`ParameterReceiver` carries it out on real tensors; it is synchronous (its
+copies block) and is driven by a worker's own event loop through a thread, by the
+local backend, a Ray actor or a vLLM worker extension alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from ._device import DeviceId
+from ._exceptions import AsyncRefitError, TransportError
+from ._messages import BucketAck
+from ._plan import ParamSpec
+from .transport._base import Handle, Importer, dtype_name, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+
+class UpdateStateError(AsyncRefitError):
+    """A worker was asked to load or commit a version it is not receiving."""
+
+
+class VersionState:
+    """Which version a worker holds completely, and which one it is receiving.
+
+    A worker that has had even one bucket of a new version written into it holds no
+    complete version until that version is committed: ``complete`` is then ``None``.
+    Aborting before any byte was written keeps the previous complete version.
+    """
+
+    __slots__ = ("complete", "dirty", "loaded", "pending")
+
+    def __init__(self) -> None:
+        self.complete: int | None = None
+        self.pending: int | None = None
+        self.dirty = False
+        self.loaded: set[int] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<VersionState complete={self.complete} pending={self.pending} "
+            f"loaded={len(self.loaded)}>"
+        )
+
+    def begin(self, version: int) -> None:
+        if self.pending is not None:
+            self.abort(self.pending)
+        self.pending, self.dirty, self.loaded = version, False, set()
+
+    def check_loading(self, version: int) -> None:
+        if self.pending != version:
+            raise UpdateStateError(
+                f"bucket of version {version} arrived, but the worker is receiving "
+                f"{self.pending if self.pending is not None else 'nothing'}"
+            )
+
+    def loading(self, version: int, bucket: int) -> None:
+        """Record that bytes of ``bucket`` are about to be written."""
+        self.check_loading(version)
+        self.dirty, self.complete = True, None
+        self.loaded.add(bucket)
+
+    def commit(self, version: int, buckets: int) -> None:
+        self.check_loading(version)
+        if len(self.loaded) != buckets:
+            raise UpdateStateError(
+                f"version {version} committed with {len(self.loaded)} of {buckets} "
+                f"buckets loaded"
+            )
+        self.complete, self.pending, self.dirty, self.loaded = version, None, False, set()
+
+    def abort(self, version: int) -> None:
+        if self.pending is None or self.pending != version:
+            return  # nothing of that version here: aborting is idempotent
+        if self.dirty:
+            self.complete = None
+        self.pending, self.dirty, self.loaded = None, False, set()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A digest of a tensor's bytes (with its dtype and shape): equal iff bitwise equal."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(_uint8())
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
+    h.update(memoryview(flat.numpy()))
+    return h.hexdigest()
+
+
+def _uint8() -> torch.dtype:
+    import torch
+
+    return torch.uint8
+
+
+def _default_importers() -> dict[str, Importer]:
+    from .transport.shm import SharedMemoryImporter
+
+    return {"shm": SharedMemoryImporter()}
+
+
+class ParameterReceiver:
+    """Copies buckets from transport handles into a worker's own parameter tensors.
+
+    Resource handling: handles are opened through per-transport importers that cache
+    their mappings across pushes; every slice of a buffer is dropped before
+    :meth:`load` returns, so returning (the ack) means the worker no longer reads the
+    trainer's buffer. :meth:`close` releases every cached mapping.
+
+    Error handling: a bucket whose entries do not match this worker's parameters (name,
+    shape, dtype), or without a handle for this worker's device, raises before any of
+    its bytes are written.
+    """
+
+    def __init__(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        device: DeviceId,
+        *,
+        importers: Mapping[str, Importer] | None = None,
+        importer_factory: Callable[[str], Importer] | None = None,
+    ) -> None:
+        self.device = device
+        self._params = dict(parameters)
+        self._importers: dict[str, Importer] = dict(
+            importers if importers is not None else _default_importers()
+        )
+        self._importer_factory = importer_factory
+        self.state = VersionState()
+
+    def __repr__(self) -> str:
+        return f"<ParameterReceiver device={self.device} params={len(self._params)} {self.state}>"
+
+    @property
+    def version(self) -> int | None:
+        return self.state.complete
+
+    def specs(self) -> tuple[ParamSpec, ...]:
+        return tuple(
+            ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+            for name, t in self._params.items()
+        )
+
+    def begin(self, version: int) -> None:
+        self.state.begin(version)
+
+    def _importer(self, kind: str) -> Importer:
+        importer = self._importers.get(kind)
+        if importer is None:
+            if self._importer_factory is None:
+                raise TransportError(f"this worker cannot open {kind!r} handles")
+            importer = self._importers[kind] = self._importer_factory(kind)
+        return importer
+
+    def _own_handle(self, handles: tuple[Handle, ...]) -> Handle:
+        for handle in handles:
+            if handle.device == self.device:
+                return handle
+        offered = ", ".join(str(h.device) for h in handles) or "none"
+        raise TransportError(f"no handle for device {self.device} (offered: {offered})")
+
+    def _check_entries(self, handle: Handle) -> None:
+        for e in handle.entries:
+            param = self._params.get(e.name)
+            if param is None:
+                raise TransportError(f"bucket {handle.bucket} names unknown parameter {e.name!r}")
+            if tuple(param.shape) != e.shape or dtype_name(param.dtype) != e.dtype:
+                raise TransportError(
+                    f"bucket {handle.bucket}, parameter {e.name!r}: {e.dtype}{list(e.shape)} "
+                    f"sent, {dtype_name(param.dtype)}{list(param.shape)} held"
+                )
+
+    def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
+        """Copy one bucket into the parameters; blocks until the copies are complete."""
+        import torch
+
+        start = time.perf_counter()
+        self.state.check_loading(version)
+        handle = self._own_handle(handles)
+        self._check_entries(handle)
+        importer = self._importer(handle.kind)
+        self.state.loading(version, bucket)
+        buffer = importer.open(handle)
+        try:
+            with torch.no_grad():
+                for e in handle.entries:
+                    src = buffer[e.offset : e.offset + e.nbytes]
+                    self._params[e.name].copy_(src.view(torch_dtype(e.dtype)).view(e.shape))
+            importer.finish(handle)
+        finally:
+            del buffer  # drop every view before the ack
+            src = None  # noqa: F841
+        return BucketAck(
+            bucket=bucket,
+            nbytes=sum(e.nbytes for e in handle.entries),
+            seconds=time.perf_counter() - start,
+        )
+
+    def commit(self, version: int, buckets: int) -> None:
+        self.state.commit(version, buckets)
+
+    def abort(self, version: int) -> None:
+        self.state.abort(version)
+
+    def digests(self) -> dict[str, str]:
+        return {name: tensor_digest(t) for name, t in self._params.items()}
+
+    def release_handles(self) -> None:
+        for importer in self._importers.values():
+            importer.close()
+
+    def close(self) -> None:
+        self.release_handles()

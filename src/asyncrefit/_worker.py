@@ -1,0 +1,86 @@
+"""What the coordinator needs of an inference worker and of a trainer source."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ._device import DeviceId
+from ._messages import BucketAck
+from ._plan import ParamSpec
+from .transport._base import Handle
+
+if TYPE_CHECKING:
+    from ._plan import Bucket, Plan
+
+
+@runtime_checkable
+class Worker(Protocol):
+    """An inference worker, as the coordinator sees it.
+
+    Every method is a coroutine function that the coordinator awaits on its own loop.
+    An implementation that talks to a worker living elsewhere (a process, a Ray actor,
+    a vLLM engine) sends a request and awaits the reply: the worker's own code runs on
+    the worker's own event loop, and no coroutine or future object ever crosses over.
+
+    ``load_bucket`` returns only after the worker finished copying and dropped its
+    views of the buffer: that return is the ack the coordinator frees buffers on.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    async def report_device_id_async(self) -> DeviceId: ...
+
+    async def parameter_specs(self) -> Sequence[ParamSpec]: ...
+
+    async def begin_update(self, version: int) -> None: ...
+
+    async def load_bucket(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck: ...
+
+    async def commit_update(self, version: int, buckets: int) -> None: ...
+
+    async def abort_update(self, version: int) -> None: ...
+
+    async def weight_version(self) -> int | None: ...
+
+    async def release_handles(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SourceInfo:
+    """What a trainer source holds and which devices it can serve.
+
+    ``devices`` is ``None`` when the source serves every device on its node (shared
+    memory), or the device names it serves (a GPU's UUID for CUDA IPC).
+    """
+
+    name: str
+    node: str
+    devices: frozenset[str] | None
+    specs: tuple[ParamSpec, ...]
+
+    def serves(self, device: DeviceId) -> bool:
+        return device.node == self.node and (self.devices is None or device.device in self.devices)
+
+
+@runtime_checkable
+class TrainerSource(Protocol):
+    """The trainer side: holds the parameters and exports packed buckets.
+
+    ``prepare`` allocates ``slots`` reusable buffers of ``slot_bytes``; ``export``
+    packs ``bucket`` into ``slot`` and returns one handle per device asked for, with
+    the packed bytes visible to consumers by the time it returns. ``aclose`` frees
+    every buffer and may be called more than once.
+    """
+
+    async def describe(self) -> SourceInfo: ...
+
+    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None: ...
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,328 @@
+"""The coordinator's side of a local worker process, and the pool that starts them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from anyio.abc import SocketStream
+
+from .._device import DeviceId, cpu_device
+from .._exceptions import WorkerDiedError, primary_error, WorkerRemoteError, WorkerTimeoutError
+from .._messages import (
+    AbortUpdate,
+    BeginUpdate,
+    BucketAck,
+    CommitUpdate,
+    DeviceReply,
+    Digest,
+    DigestReply,
+    Done,
+    ErrorReply,
+    Forward,
+    ForwardReply,
+    GetSpecs,
+    GetVersion,
+    LoadBucket,
+    ReleaseHandles,
+    Reply,
+    ReportDevice,
+    Request,
+    Shutdown,
+    SpecsReply,
+    VersionReply,
+    decode,
+    encode,
+)
+from .._plan import ParamSpec
+from ._faults import WorkerFaults
+from ._framing import FrameReader, frame
+from ._server import worker_main
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    import torch
+
+    from ..transport._base import Handle
+
+R = TypeVar("R")
+
+_SEND_TIMEOUT = 30.0
+_REAP_TIMEOUT = 10.0
+
+
+class LocalWorker:
+    """A worker subprocess with its own event loop, holding a real ``torch.nn.Module``.
+
+    Implements :class:`asyncrefit.Worker`. Each call sends one request over a Unix
+    socket and awaits the reply; the worker handles requests one at a time, in order.
+
+    Resource handling: :meth:`aclose` asks the process to exit, then terminates and
+    reaps it if it does not. A call cancelled while waiting for its reply leaves the
+    connection usable: the late reply is recognised by its request id and dropped.
+
+    Error handling: a closed connection (the process died) raises
+    :class:`WorkerDiedError`, after the process was killed and reaped, so a worker
+    reported dead no longer reads any buffer; an error inside the worker raises
+    :class:`WorkerRemoteError` with its type and message.
+    """
+
+    def __init__(
+        self, name: str, process: BaseProcess, stream: SocketStream, device: DeviceId
+    ) -> None:
+        self._name = name
+        self._process = process
+        self._stream = stream
+        self._reader = FrameReader(stream)
+        self._device = device
+        self._lock = anyio.Lock()
+        self._next_id = 0
+        self._dead: str | None = None
+
+    def __repr__(self) -> str:
+        state = f"dead ({self._dead})" if self._dead else "alive"
+        return f"<LocalWorker {self._name!r} pid={self._process.pid} {self._device} {state}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    # --- transport -------------------------------------------------------------------
+
+    async def _request(self, request: Request) -> Reply:
+        async with self._lock:
+            if self._dead is not None:
+                raise WorkerDiedError(self._name, self._dead)
+            self._next_id += 1
+            request_id = self._next_id
+            try:
+                # A frame cut in half would corrupt the channel: finish sending it even
+                # when cancelled (frames are small), but not forever.
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(_SEND_TIMEOUT) as scope:
+                        await self._stream.send(frame(encode((request_id, request))))
+                if scope.cancelled_caught:
+                    await self._mark_dead("sending a request timed out")
+                    raise WorkerTimeoutError(self._name, "sending a request timed out")
+                while True:
+                    got_id, reply = decode(await self._reader.receive())
+                    if got_id == request_id:
+                        break
+                    # else: the reply to a request whose caller was cancelled: drop it
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await self._mark_dead("the worker process closed its connection")
+                assert self._dead is not None
+                raise WorkerDiedError(self._name, self._dead) from None
+        if isinstance(reply, ErrorReply):
+            raise WorkerRemoteError(self._name, reply.type, reply.message)
+        return reply
+
+    async def _expect(self, request: Request, kind: type[R]) -> R:
+        reply = await self._request(request)
+        if not isinstance(reply, kind):
+            raise WorkerRemoteError(
+                self._name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"
+            )
+        return reply
+
+    async def _mark_dead(self, why: str) -> None:
+        """Kill and reap the process: once this returns, it reads no buffer any more."""
+        with anyio.CancelScope(shield=True):
+            await self._stream.aclose()
+            if self._process.is_alive():
+                self._process.kill()
+            await anyio.to_thread.run_sync(self._process.join, _REAP_TIMEOUT)
+        self._dead = f"{why} (exit code {self._process.exitcode})"
+
+    # --- the Worker protocol ----------------------------------------------------------
+
+    async def report_device_id_async(self) -> DeviceId:
+        """Asks the worker process, whose own loop answers."""
+        return (await self._expect(ReportDevice(), DeviceReply)).device
+
+    async def parameter_specs(self) -> Sequence[ParamSpec]:
+        return (await self._expect(GetSpecs(), SpecsReply)).specs
+
+    async def begin_update(self, version: int) -> None:
+        await self._expect(BeginUpdate(version=version), Done)
+
+    async def load_bucket(
+        self, version: int, bucket: int, handles: tuple[Handle, ...]
+    ) -> BucketAck:
+        return await self._expect(
+            LoadBucket(version=version, bucket=bucket, handles=handles), BucketAck
+        )
+
+    async def commit_update(self, version: int, buckets: int) -> None:
+        await self._expect(CommitUpdate(version=version, buckets=buckets), Done)
+
+    async def abort_update(self, version: int) -> None:
+        await self._expect(AbortUpdate(version=version), Done)
+
+    async def weight_version(self) -> int | None:
+        return (await self._expect(GetVersion(), VersionReply)).version
+
+    async def release_handles(self) -> None:
+        await self._expect(ReleaseHandles(), Done)
+
+    # --- diagnostics --------------------------------------------------------------------
+
+    async def parameter_digests(self) -> dict[str, str]:
+        """A digest of each parameter's bytes, computed in the worker process."""
+        return (await self._expect(Digest(), DigestReply)).digests
+
+    async def forward(self, inputs: Any) -> Any:
+        """Run the worker's module on ``inputs`` (pickled both ways): for verification."""
+        return (await self._expect(Forward(inputs=inputs), ForwardReply)).output
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def kill(self) -> None:
+        """Kill the process now (SIGKILL) and reap it."""
+        await self._mark_dead("killed")
+
+    async def aclose(self) -> None:
+        """Ask the process to exit; terminate it after a grace period. Idempotent."""
+        with anyio.CancelScope(shield=True):
+            if self._dead is None:
+                with anyio.move_on_after(5):
+                    try:
+                        await self._request(Shutdown())
+                    except (WorkerDiedError, WorkerRemoteError, WorkerTimeoutError):
+                        pass
+                await self._stream.aclose()
+            await anyio.to_thread.run_sync(self._process.join, 5)
+            if self._process.is_alive():
+                self._process.terminate()
+                await anyio.to_thread.run_sync(self._process.join, 5)
+            if self._process.is_alive():
+                self._process.kill()
+                await anyio.to_thread.run_sync(self._process.join, _REAP_TIMEOUT)
+            if self._dead is None:
+                self._dead = "closed"
+
+
+async def _start_worker(
+    name: str,
+    path: str,
+    factory: Callable[[], torch.nn.Module],
+    device: DeviceId,
+    threads: int,
+    faults: WorkerFaults,
+    start_timeout: float,
+) -> LocalWorker:
+    context = multiprocessing.get_context("spawn")
+    listener = await anyio.create_unix_listener(path)
+    process = context.Process(
+        target=worker_main,
+        args=(path, factory, device, threads, faults),
+        name=f"asyncrefit-{name}",
+        daemon=True,
+    )
+    try:
+        await anyio.to_thread.run_sync(process.start)
+        with anyio.fail_after(start_timeout):
+            while True:
+                with anyio.move_on_after(0.25):
+                    stream = await listener.accept()
+                    break
+                if not process.is_alive():
+                    raise WorkerDiedError(
+                        name, f"exited during start-up (exit code {process.exitcode})"
+                    )
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            if process.is_alive():
+                process.kill()
+            if process.pid is not None:
+                await anyio.to_thread.run_sync(process.join, _REAP_TIMEOUT)
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return LocalWorker(name, process, stream, device)
+
+
+@asynccontextmanager
+async def spawn_local_workers(
+    factory: Callable[[], torch.nn.Module],
+    count: int = 2,
+    *,
+    devices: Sequence[DeviceId | str] | None = None,
+    names: Sequence[str] | None = None,
+    threads: int = 1,
+    faults: dict[str, WorkerFaults] | None = None,
+    start_timeout: float = 120.0,
+) -> AsyncIterator[list[LocalWorker]]:
+    """Start ``count`` local worker processes, each building its module with ``factory``.
+
+    ``factory`` must be picklable (a module-level function): processes are spawned,
+    not forked. Worker ``i`` is named ``names[i]`` (default ``"worker-i"``) and sits on
+    ``devices[i]`` (default the virtual CPU device ``cpu:i``: one device each); give
+    several workers one device to model many consumers of one device. ``faults`` maps
+    worker names to injected faults (tests). Workers start concurrently.
+
+    Resource handling: on exit every process is shut down and reaped, also when the
+    body raised or was cancelled; if start-up fails, the workers already started are
+    shut down before the error propagates.
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    worker_names = list(names) if names is not None else [f"worker-{i}" for i in range(count)]
+    worker_devices = [
+        d if isinstance(d, DeviceId) else cpu_device(d)
+        for d in (devices if devices is not None else range(count))
+    ]
+    if len(worker_names) != count or len(worker_devices) != count:
+        raise ValueError("names and devices must have one entry per worker")
+    tmpdir = tempfile.mkdtemp(prefix="asyncrefit-")
+    workers: list[LocalWorker | None] = [None] * count
+
+    async def start(i: int) -> None:
+        workers[i] = await _start_worker(
+            worker_names[i],
+            os.path.join(tmpdir, f"w{i}.sock"),
+            factory,
+            worker_devices[i],
+            threads,
+            (faults or {}).get(worker_names[i], WorkerFaults()),
+            start_timeout,
+        )
+
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(count):
+                    tg.start_soon(start, i)
+        except BaseExceptionGroup as group:
+            primary = primary_error(group)
+            if primary is None:
+                raise
+            raise primary from None
+        yield [w for w in workers if w is not None]
+    finally:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    if w is not None:
+                        tg.start_soon(w.aclose)
+        shutil.rmtree(tmpdir, ignore_errors=True)

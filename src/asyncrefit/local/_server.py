@@ -1,0 +1,169 @@
+"""The worker process of the local backend: its own event loop, a module, a receiver."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._device import DeviceId
+from .._messages import (
+    AbortUpdate,
+    BeginUpdate,
+    CommitUpdate,
+    DeviceReply,
+    Digest,
+    DigestReply,
+    Done,
+    ErrorReply,
+    Forward,
+    ForwardReply,
+    GetSpecs,
+    GetVersion,
+    LoadBucket,
+    ReleaseHandles,
+    Reply,
+    ReportDevice,
+    Request,
+    Shutdown,
+    SpecsReply,
+    VersionReply,
+    decode,
+    encode,
+)
+from .._receiver import ParameterReceiver
+from ._faults import WorkerFaults
+from ._framing import FrameReader, send_frame
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _backend_options() -> dict[str, Any]:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
+
+
+class WorkerServer:
+    """Serves one coordinator connection, one request at a time, in order.
+
+    Handling requests strictly in order is what makes an abort's answer mean "no view
+    of any buffer is held": it is sent after any load that was still running.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, receiver: ParameterReceiver, faults: WorkerFaults
+    ) -> None:
+        self._module = module
+        self._receiver = receiver
+        self._faults = faults
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def report_device_id_async(self) -> DeviceId:
+        """The device this worker's parameters live on; runs on this process's loop."""
+        await anyio.lowlevel.checkpoint()
+        return self._receiver.device
+
+    async def serve(self, path: str) -> None:
+        stream = await anyio.connect_unix(path)
+        reader = FrameReader(stream)
+        try:
+            while True:
+                try:
+                    data = await reader.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return  # the coordinator is gone
+                request_id, request = decode(data)
+                reply = await self.handle(request)
+                await send_frame(stream, encode((request_id, reply)))
+                if isinstance(request, Shutdown):
+                    return
+        finally:
+            self._receiver.close()
+            await stream.aclose()
+
+    async def _load(self, request: LoadBucket) -> Reply:
+        if self._faults.crash_at_bucket == request.bucket:
+            os._exit(17)
+        if self._faults.hang_at_bucket == request.bucket:
+            await anyio.sleep_forever()
+        if self._faults.load_delay:
+            await anyio.sleep(self._faults.load_delay)
+        return await anyio.to_thread.run_sync(
+            self._receiver.load,
+            request.version,
+            request.bucket,
+            request.handles,
+            limiter=self._limiter,
+        )
+
+    def _forward(self, inputs: Any) -> Any:
+        import torch
+
+        with torch.no_grad():
+            return self._module(inputs)
+
+    async def handle(self, request: Request) -> Reply:
+        r = self._receiver
+        try:
+            match request:
+                case ReportDevice():
+                    return DeviceReply(device=await self.report_device_id_async())
+                case GetSpecs():
+                    return SpecsReply(specs=r.specs())
+                case BeginUpdate(version=v):
+                    r.begin(v)
+                    return Done()
+                case LoadBucket():
+                    return await self._load(request)
+                case CommitUpdate(version=v, buckets=n):
+                    r.commit(v, n)
+                    return Done()
+                case AbortUpdate(version=v):
+                    r.abort(v)
+                    return Done()
+                case GetVersion():
+                    return VersionReply(version=r.version)
+                case ReleaseHandles():
+                    r.release_handles()
+                    return Done()
+                case Digest():
+                    return DigestReply(
+                        digests=await anyio.to_thread.run_sync(r.digests, limiter=self._limiter)
+                    )
+                case Forward(inputs=x):
+                    out = await anyio.to_thread.run_sync(self._forward, x, limiter=self._limiter)
+                    return ForwardReply(output=out)
+                case Shutdown():
+                    r.close()
+                    return Done()
+        except Exception as exc:
+            logger.debug("request %r failed", request, exc_info=True)
+            return ErrorReply(type=type(exc).__name__, message=str(exc))
+        return ErrorReply(type="TypeError", message=f"unknown request {type(request).__name__}")
+
+
+def worker_main(
+    path: str,
+    factory: Callable[[], torch.nn.Module],
+    device: DeviceId,
+    threads: int,
+    faults: WorkerFaults,
+) -> None:
+    """Entry point of a local worker process (spawned, so it starts clean)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    module = factory()
+    module.eval()
+    receiver = ParameterReceiver(dict(module.named_parameters()), device)
+    server = WorkerServer(module, receiver, faults)
+    anyio.run(server.serve, path, backend="asyncio", backend_options=_backend_options())

@@ -1,0 +1,78 @@
+"""What every transport provides: handles, an exporter (trainer) and an importer (worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from .._device import DeviceId
+from .._plan import TensorEntry
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._plan import Bucket
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Handle:
+    """A small record naming one exported bucket buffer on one device.
+
+    Subclasses add what their transport needs to open the buffer (a shared-memory
+    segment's name, a CUDA IPC handle). A handle never carries tensor data.
+    """
+
+    kind: ClassVar[str] = "abstract"
+    device: DeviceId
+    bucket: int
+    nbytes: int
+    entries: tuple[TensorEntry, ...]
+
+
+class Exporter(Protocol):
+    """The trainer side of a transport: reusable slots that buckets are packed into."""
+
+    kind: str
+
+    def allocate(self, slots: int, slot_bytes: int) -> None:
+        """Make ``slots`` buffers of ``slot_bytes`` each, reusing what fits."""
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        """The flat ``uint8`` tensor of ``slot``, to pack a bucket into."""
+
+    def seal(self, slot: int) -> None:
+        """Called after packing: the bytes must be visible to consumers on return."""
+
+    def handle(self, slot: int, bucket: Bucket, device: DeviceId) -> Handle:
+        """A handle for ``slot`` holding ``bucket``, for consumers on ``device``."""
+
+    def close(self) -> None:
+        """Free every slot. Idempotent."""
+
+
+class Importer(Protocol):
+    """The worker side of a transport: opens handles (cached) into flat tensors."""
+
+    def open(self, handle: Handle) -> torch.Tensor:
+        """A flat ``uint8`` view of the handle's buffer; cached across calls."""
+
+    def finish(self, handle: Handle) -> None:
+        """Called after the copies out of the view: they must be complete on return."""
+
+    def close(self) -> None:
+        """Drop every cached view and mapping. Idempotent."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` named ``name`` (``"bfloat16"``)."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a ``torch.dtype`` without the ``torch.`` prefix."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,263 @@
+"""The shared-memory transport: CPU buckets in POSIX shared memory (``/dev/shm``).
+
+The trainer packs a bucket into a slot, a named segment it created; the handle is the
+segment's name plus the bucket's layout. A worker maps the segment once and keeps the
+mapping for later pushes (slots are reused), copies out of it, and drops its views
+before it acknowledges.
+
+Segments are unlinked by :meth:`SharedMemoryExporter.close`, which the coordinator
+calls on every exit path. Segment names carry the creating process's pid, so segments
+left by a process that was killed (no ``close`` could run) are swept by the next
+exporter created on the machine: see :func:`sweep_stale_segments`.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from .._exceptions import TransportError
+from ._base import Handle
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._device import DeviceId
+    from .._plan import Bucket
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+PREFIX = "asyncrefit"
+_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-\d+-\d+$")
+_PAGE = mmap.PAGESIZE
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShmHandle(Handle):
+    """A bucket in the shared-memory segment ``segment`` (a name under /dev/shm)."""
+
+    kind: ClassVar[str] = "shm"
+    segment: str
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+class _Segment:
+    """One mapped segment and its flat ``uint8`` tensor."""
+
+    __slots__ = ("mapping", "name", "size", "tensor")
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap) -> None:
+        import torch
+
+        self.name = name
+        self.size = size
+        self.mapping: mmap.mmap | None = mapping
+        self.tensor: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> _Segment:
+        try:
+            fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared memory segment {name!r}: {exc}") from exc
+        try:
+            # Reserve the pages now: a full /dev/shm then fails here with ENOSPC,
+            # instead of killing the process with SIGBUS in the middle of a push.
+            os.posix_fallocate(fd, 0, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except OSError as exc:
+            os.close(fd)
+            _unlink(name)
+            raise TransportError(
+                f"cannot allocate {size} bytes of shared memory for {name!r}: {exc}"
+            ) from exc
+        os.close(fd)
+        return cls(name, size, mapping)
+
+    @classmethod
+    def open(cls, name: str) -> _Segment:
+        try:
+            fd = os.open(_path(name), os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot open shared memory segment {name!r}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except OSError as exc:
+            raise TransportError(f"cannot map shared memory segment {name!r}: {exc}") from exc
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping)
+
+    def close(self) -> None:
+        self.tensor = None
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:
+                # A caller still holds a view; the mapping goes with the last view.
+                logger.warning("segment %s still has views; unmapped when they go", self.name)
+            self.mapping = None
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink asyncrefit segments whose creating process no longer exists.
+
+    Returns the names removed. Only names of this library's own pattern are touched.
+    """
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME_RE.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            _unlink(name)
+            removed.append(name)
+    if removed:
+        logger.info("removed %d stale shared memory segments", len(removed))
+    return removed
+
+
+def list_segments() -> list[str]:
+    """Names of every asyncrefit segment under /dev/shm (for tests and diagnostics)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX + "-"))
+    except OSError:
+        return []
+
+
+class SharedMemoryExporter:
+    """Trainer-side slots in shared memory.
+
+    Resource handling: :meth:`allocate` creates (or keeps) the segments, :meth:`close`
+    unmaps and unlinks every one of them; both are idempotent. A failed allocation
+    unlinks what it created before raising :class:`TransportError`.
+    """
+
+    kind = "shm"
+
+    def __init__(self) -> None:
+        sweep_stale_segments()
+        self._token = secrets.token_hex(4)
+        self._generation = 0
+        self._segments: list[_Segment] = []
+
+    def __repr__(self) -> str:
+        sizes = sum(s.size for s in self._segments)
+        return f"<SharedMemoryExporter slots={len(self._segments)} bytes={sizes}>"
+
+    @property
+    def segment_names(self) -> list[str]:
+        return [s.name for s in self._segments]
+
+    def allocate(self, slots: int, slot_bytes: int) -> None:
+        size = max(_PAGE, -(-slot_bytes // _PAGE) * _PAGE)
+        if len(self._segments) == slots and all(s.size == size for s in self._segments):
+            return
+        self.close()
+        self._generation += 1
+        try:
+            for i in range(slots):
+                name = f"{PREFIX}-{os.getpid()}-{self._token}-{self._generation}-{i}"
+                self._segments.append(_Segment.create(name, size))
+        except BaseException:
+            self.close()
+            raise
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        tensor = self._segments[slot].tensor
+        assert tensor is not None
+        return tensor
+
+    def seal(self, slot: int) -> None:
+        # Stores by this process are visible to every process mapping the segment as
+        # soon as the copy returns (the same physical pages): nothing to flush.
+        pass
+
+    def handle(self, slot: int, bucket: Bucket, device: DeviceId) -> ShmHandle:
+        return ShmHandle(
+            device=device,
+            bucket=bucket.index,
+            nbytes=bucket.nbytes,
+            entries=bucket.entries,
+            segment=self._segments[slot].name,
+        )
+
+    def close(self) -> None:
+        segments, self._segments = self._segments, []
+        for seg in segments:
+            seg.close()
+            _unlink(seg.name)
+
+
+class SharedMemoryImporter:
+    """Worker-side mappings of shared-memory segments, cached by name (LRU).
+
+    Resource handling: a mapping stays open across pushes (slots are reused) until it
+    is evicted (more than ``max_cached`` segments) or :meth:`close` is called. Callers
+    must drop their slices of the returned tensor before acknowledging a bucket.
+    """
+
+    def __init__(self, max_cached: int = 16) -> None:
+        self._max = max_cached
+        self._cache: OrderedDict[str, _Segment] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def open(self, handle: Handle) -> torch.Tensor:
+        if not isinstance(handle, ShmHandle):
+            raise TransportError(f"shared memory cannot open a {handle.kind!r} handle")
+        seg = self._cache.get(handle.segment)
+        if seg is None:
+            seg = _Segment.open(handle.segment)
+            self._cache[handle.segment] = seg
+            while len(self._cache) > self._max:
+                _, old = self._cache.popitem(last=False)
+                old.close()
+        else:
+            self._cache.move_to_end(handle.segment)
+        if seg.size < handle.nbytes or seg.tensor is None:
+            raise TransportError(
+                f"segment {handle.segment!r} holds {seg.size} bytes, "
+                f"bucket {handle.bucket} needs {handle.nbytes}"
+            )
+        return seg.tensor
+
+    def finish(self, handle: Handle) -> None:
+        pass  # CPU copies are complete when copy_ returns
+
+    def close(self) -> None:
+        cache, self._cache = self._cache, OrderedDict()
+        for seg in cache.values():
+            seg.close()
