@@ -1,0 +1,53 @@
+"""The ``asyncrefit`` command: ``demo``, ``bench`` and ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncrefit", description="Push trained weights into inference workers."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo", help="train a small transformer and push it to local workers, verified"
+    )
+    demo.add_argument("--workers", type=int, default=2, help="local worker processes (2)")
+    demo.add_argument("--steps", type=int, default=3, help="optimizer steps, one push each (3)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser(
+        "bench", help="measure refit throughput against memcpy and two baselines"
+    )
+    bench.add_argument("--size-mib", type=int, default=1024, help="parameter set size (1024)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (3)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+
+    plan = sub.add_parser("plan", help="show how a parameter set is cut into buckets")
+    plan.add_argument("--bucket-mib", type=float, default=256.0, help="bucket size (256)")
+    plan.add_argument("--size-mib", type=int, default=1024, help="synthetic set size (1024)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from ._demo import main as demo_main
+
+        return demo_main(args)
+    if args.command == "bench":
+        from ._bench import main as bench_main
+
+        return bench_main(args)
+    from ._bench import plan_main
+
+    return plan_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

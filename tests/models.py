@@ -1,0 +1,33 @@
+"""Small models for tests: module-level factories, so spawned workers can build them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_mlp() -> torch.nn.Module:
+    """A two-layer MLP (~33k float32 parameters), the same for every seed-less call."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)
+    )
+
+
+def make_mlp_wide() -> torch.nn.Module:
+    """Like :func:`make_mlp` but the first layer is wider: a shape mismatch."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)
+    )
+
+
+def make_mixed() -> torch.nn.Module:
+    """Parameters of several dtypes and a zero-size one."""
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.randn(33, 7))
+    m.b = torch.nn.Parameter(torch.randn(1000).to(torch.bfloat16))
+    m.c = torch.nn.Parameter(torch.randn(5, 5).to(torch.float16))
+    m.empty = torch.nn.Parameter(torch.empty(0, 4))
+    m.d = torch.nn.Parameter(torch.randn(3).double())
+    return m
