@@ -1,0 +1,73 @@
+"""Run the refit benchmark (the same as ``asyncrefit bench``); ``--record`` saves it.
+
+    python benchmarks/refit_bench.py --size-mib 1024 --repeats 3 --record
+
+prints the table (or ``--json``) and, with ``--record``, appends a dated section with
+the table and the JSON to ``benchmarks/RESULTS.md``. Record only runs made on a quiet
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrefit import _bench
+
+RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
+PLACEHOLDER = "(to be recorded)"
+
+
+def record(result: dict[str, Any], command: str, path: Path = RESULTS) -> None:
+    """Append a dated section with ``result``'s table and JSON to ``path``.
+
+    The placeholder line of a file without results yet is dropped.
+    """
+    m = result["machine"]
+    section = (
+        f"\n### {result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n\n"
+        f"`{command}`\n\n```\n{_bench.format_table(result)}\n```\n\n"
+        f"<details><summary>JSON</summary>\n\n```json\n{json.dumps(result, indent=2)}\n```\n\n"
+        "</details>\n"
+    )
+    text = path.read_text() if path.exists() else ""
+    lines = [line for line in text.splitlines(keepends=True) if line.strip() != PLACEHOLDER]
+    path.write_text("".join(lines).rstrip("\n") + "\n" + section)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the arguments, run the benchmark, print it, and record it if asked."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--size-mib", type=int, default=1024, help="parameter set size (1024)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (3)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads of the trainer"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--record", action="store_true", help=f"append to {RESULTS.name}")
+    args = parser.parse_args(argv)
+    if args.size_mib < 1 or args.repeats < 1:
+        parser.error("--size-mib and --repeats must be positive")
+    try:
+        result = _bench.run(
+            args.size_mib, args.repeats, threads=args.threads, progress=_bench.progress_line
+        )
+    except _bench.BenchVerificationError as exc:
+        print(f"refit_bench: VERIFICATION FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else _bench.format_table(result))
+    if args.record:
+        command = "python benchmarks/refit_bench.py " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        record(result, command)
+        print(f"recorded in {RESULTS}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

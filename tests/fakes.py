@@ -1,0 +1,126 @@
+"""In-process workers that record what they are sent, for coordinator tests.
+
+A :class:`FakeWorker` copies for real (through a :class:`ParameterReceiver` over the
+trainer's own shared memory) so bitwise results can be checked, and it records every
+call, every handle and the serialized size of every load request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from asyncrefit import BucketAck, DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
+from asyncrefit._messages import LoadBucket, encoded_size
+from asyncrefit.transport import Handle
+
+
+@dataclass
+class Faults:
+    """What a fake worker does wrong, and when."""
+
+    fail_at_bucket: int | None = None  # raise RuntimeError
+    die_at_bucket: int | None = None  # raise WorkerDiedError (as a dead process would)
+    hang_at_bucket: int | None = None  # never answer that load, nor anything after it
+    delay: float = 0.0  # sleep holding a view of the buffer before copying
+    bad_device: DeviceId | None = None
+
+
+@dataclass
+class FakeWorker:
+    """A worker whose parameters are plain tensors in this process."""
+
+    name: str
+    device: DeviceId
+    parameters: dict[str, torch.Tensor]
+    faults: Faults = field(default_factory=Faults)
+    calls: list[tuple[str, int]] = field(default_factory=list)
+    handles: list[tuple[Handle, ...]] = field(default_factory=list)
+    load_bytes: list[int] = field(default_factory=list)
+    device_queries: int = 0
+    dead: bool = False
+    hung: bool = False
+
+    def __post_init__(self) -> None:
+        self.receiver = ParameterReceiver(self.parameters, self.device)
+
+    @classmethod
+    def like(
+        cls, name: str, device: DeviceId, module: torch.nn.Module, faults: Faults | None = None
+    ) -> FakeWorker:
+        """A worker holding zeroed copies of ``module``'s parameters."""
+        params = {n: torch.zeros_like(p.detach()) for n, p in module.named_parameters()}
+        return cls(name=name, device=device, parameters=params, faults=faults or Faults())
+
+    async def _check_alive(self) -> None:
+        if self.hung:
+            await anyio.sleep_forever()
+        if self.dead:
+            raise WorkerDiedError(self.name, "dead")
+
+    async def report_device_id_async(self) -> DeviceId:
+        await anyio.lowlevel.checkpoint()
+        self.device_queries += 1
+        return self.faults.bad_device or self.device
+
+    async def parameter_specs(self) -> Sequence[ParamSpec]:
+        await anyio.lowlevel.checkpoint()
+        return self.receiver.specs()
+
+    async def begin_update(self, version: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("begin", version))
+        self.receiver.begin(version)
+
+    async def load_bucket(
+        self, version: int, bucket: int, handles: tuple[Handle, ...]
+    ) -> BucketAck:
+        await self._check_alive()
+        self.calls.append(("load", version))
+        self.handles.append(handles)
+        self.load_bytes.append(
+            encoded_size(LoadBucket(version=version, bucket=bucket, handles=handles))
+        )
+        f = self.faults
+        if f.die_at_bucket == bucket:
+            self.dead = True
+            raise WorkerDiedError(self.name, f"died at bucket {bucket}")
+        if f.fail_at_bucket == bucket:
+            raise RuntimeError(f"injected failure at bucket {bucket}")
+        if f.hang_at_bucket == bucket:
+            self.hung = True
+            await anyio.sleep_forever()
+        if f.delay:
+            await anyio.sleep(f.delay)
+        return self.receiver.load(version, bucket, handles)
+
+    async def commit_update(self, version: int, buckets: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("commit", version))
+        self.receiver.commit(version, buckets)
+
+    async def abort_update(self, version: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("abort", version))
+        self.receiver.abort(version)
+
+    async def weight_version(self) -> int | None:
+        await anyio.lowlevel.checkpoint()
+        return self.receiver.version
+
+    async def release_handles(self) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.receiver.release_handles()
+
+    def equals(self, module: torch.nn.Module) -> bool:
+        """Bitwise equality with ``module``'s parameters."""
+        return all(
+            torch.equal(self.parameters[n].view(torch.uint8), p.detach().view(torch.uint8))
+            for n, p in module.named_parameters()
+        )

@@ -1,0 +1,346 @@
+"""The coordinator against in-process fake workers: routing, acks, versions, errors."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from asyncrefit import (
+    BudgetTooSmallError,
+    DeviceId,
+    DuplicateWorkerError,
+    LocalTrainer,
+    ParameterMismatchError,
+    PushError,
+    RefitCoordinator,
+    UnknownDeviceError,
+    VersionError,
+    WorkerDiedError,
+    WorkerRemoteError,
+    WorkerTimeoutError,
+    cpu_device,
+)
+
+from .fakes import Faults, FakeWorker
+from .helpers import own_segments
+from .models import make_mixed, make_mlp, make_mlp_wide
+
+KIB = 1024
+
+
+def perturb(module: torch.nn.Module, seed: int) -> None:
+    """A stand-in for an optimizer step: change every parameter in place."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+def fakes(module: torch.nn.Module, devices: int, **faults: Faults) -> list[FakeWorker]:
+    return [
+        FakeWorker.like(f"w{i}", cpu_device(i), module, faults.get(f"w{i}"))
+        for i in range(devices)
+    ]
+
+
+async def test_push_copies_bitwise_and_reports() -> None:
+    model = make_mlp()
+    workers = fakes(model, 2)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        for version in (1, 2, 3):
+            perturb(model, version)
+            report = await refit.push(version)
+            assert all(w.equals(model) for w in workers)
+            assert [await w.weight_version() for w in workers] == [version, version]
+            assert refit.versions() == {"w0": version, "w1": version}
+            assert report.version == version
+            assert refit.plan is not None and report.buckets == len(refit.plan.buckets)
+            assert report.bytes == sum(p.numel() * 4 for p in model.parameters())
+            assert report.workers == ("w0", "w1")
+            assert report.seconds > 0 and report.gbps > 0
+            assert set(report.handle_bytes_per_worker) == {"w0", "w1"}
+        assert refit.version == 3
+        assert refit.statistics().in_use == 0
+    assert own_segments() == []
+
+
+async def test_mixed_dtypes_and_special_values_arrive_bit_exact() -> None:
+    model = make_mixed()
+    with torch.no_grad():
+        model.a[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        model.b[:2] = torch.tensor([float("nan"), -0.0], dtype=torch.bfloat16)
+    workers = fakes(model, 2)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=8 * KIB) as refit:
+        await refit.push(1)
+    assert all(w.equals(model) for w in workers)
+
+
+async def test_each_worker_gets_only_its_own_devices_handle() -> None:
+    model = make_mlp()
+    workers = fakes(model, 4)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        assert refit.devices == {w.name: w.device for w in workers}
+    for w in workers:
+        assert w.device_queries == 1
+        assert w.handles, "no bucket was sent"
+        for handles in w.handles:
+            assert [h.device for h in handles] == [w.device]
+
+
+async def test_workers_sharing_a_device_all_get_that_devices_handle() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i // 2), model) for i in range(4)]
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+    assert all(w.equals(model) for w in workers)
+    assert {h.device for w in workers[:2] for hs in w.handles for h in hs} == {cpu_device(0)}
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+async def test_handle_bytes_per_worker_do_not_grow_with_devices(broadcast: bool) -> None:
+    per_worker: dict[int, set[int]] = {}
+    for devices in (2, 8, 32):
+        model = make_mlp()
+        workers = fakes(model, devices)
+        async with RefitCoordinator(
+            trainer=model,
+            workers=workers,
+            budget_bytes=64 * KIB,
+            broadcast_all_handles=broadcast,
+        ) as refit:
+            report = await refit.push(1)
+        # what the coordinator reports is what the workers were sent
+        for w in workers:
+            assert report.handle_bytes_per_worker[w.name] == sum(w.load_bytes)
+        per_worker[devices] = set(report.handle_bytes_per_worker.values())
+    # device names of different lengths ("cpu:3" vs "cpu:31") may differ by a few bytes
+    sizes = {d: max(s) for d, s in per_worker.items()}
+    if broadcast:
+        # The pre-filter behaviour grows with the device count. (Not 16x: the handles of
+        # one bucket share their layout, which pickle writes once.)
+        assert sizes[2] < sizes[8] < sizes[32]
+        assert sizes[32] > 3 * sizes[2]
+    else:
+        assert sizes[32] < 1.05 * sizes[2]
+
+
+async def test_broadcast_baseline_sends_every_exported_device() -> None:
+    model = make_mlp()
+    workers = fakes(model, 2)
+    trainer = LocalTrainer(model, devices=[cpu_device(i) for i in range(8)])
+    async with RefitCoordinator(
+        trainer=trainer, workers=workers, budget_bytes=64 * KIB, broadcast_all_handles=True
+    ) as refit:
+        await refit.push(1)
+    assert all(len(hs) == 8 for w in workers for hs in w.handles)
+    assert all(w.equals(model) for w in workers)  # each picked its own
+
+
+async def test_parameter_mismatch_is_found_before_any_byte_moves() -> None:
+    model = make_mlp()
+    good = FakeWorker.like("good", cpu_device(0), model)
+    bad = FakeWorker.like("bad", cpu_device(1), make_mlp_wide())
+    with pytest.raises(ParameterMismatchError) as info:
+        async with RefitCoordinator(trainer=model, workers=[good, bad], budget_bytes=64 * KIB):
+            pytest.fail("entered despite a mismatch")
+    assert info.value.worker == "bad"
+    assert info.value.parameter == "0.bias"
+    assert "bad" in str(info.value) and "0.bias" in str(info.value)
+    assert good.calls == [] and bad.calls == []
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("change", ["name", "dtype", "missing"])
+async def test_name_and_dtype_mismatches(change: str) -> None:
+    model = make_mlp()
+    worker = FakeWorker.like("w", cpu_device(0), model)
+    if change == "name":
+        worker.parameters["extra"] = torch.zeros(3)
+    elif change == "dtype":
+        worker.parameters["2.bias"] = worker.parameters["2.bias"].double()
+    else:
+        del worker.parameters["2.weight"]
+    worker.__post_init__()
+    with pytest.raises(ParameterMismatchError) as info:
+        async with RefitCoordinator(trainer=model, workers=[worker], budget_bytes=64 * KIB):
+            pass
+    assert info.value.parameter == {"name": "extra", "dtype": "2.bias", "missing": "2.weight"}[change]
+    assert worker.calls == []
+
+
+async def test_budget_smaller_than_a_tensor_is_a_typed_error() -> None:
+    model = make_mlp()  # 0.weight is 64 KiB
+    workers = fakes(model, 1)
+    with pytest.raises(BudgetTooSmallError) as info:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=32 * KIB):
+            pass
+    assert "0.weight" in str(info.value) or "2.weight" in str(info.value)
+    assert workers[0].calls == []
+    assert own_segments() == []
+
+
+async def test_unknown_device_and_duplicate_worker() -> None:
+    model = make_mlp()
+    remote = FakeWorker.like("remote", DeviceId(node="elsewhere", device="cpu:0"), model)
+    with pytest.raises(UnknownDeviceError, match="remote"):
+        async with RefitCoordinator(trainer=model, workers=[remote], budget_bytes=64 * KIB):
+            pass
+    w = FakeWorker.like("same", cpu_device(0), model)
+    with pytest.raises(DuplicateWorkerError):
+        RefitCoordinator(trainer=model, workers=[w, w], budget_bytes=64 * KIB)
+    assert own_segments() == []
+
+
+async def test_versions_must_increase_and_nothing_moves_otherwise() -> None:
+    model = make_mlp()
+    workers = fakes(model, 1)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(5)
+        calls = list(workers[0].calls)
+        for stale in (5, 4):
+            with pytest.raises(VersionError):
+                await refit.push(stale)
+        assert workers[0].calls == calls
+        await refit.push(6)
+        assert refit.version == 6
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [
+        (Faults(fail_at_bucket=1), WorkerRemoteError),
+        (Faults(die_at_bucket=1), WorkerDiedError),
+    ],
+)
+async def test_worker_failure_mid_push(fault: Faults, cause: type[Exception]) -> None:
+    model = make_mlp()
+    workers = fakes(model, 3)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        workers[1].faults = fault
+        perturb(model, 2)
+        with pytest.raises(PushError) as info:
+            await refit.push(2)
+        err = info.value
+        assert isinstance(err.cause, cause) and err.__cause__ is err.cause
+        assert err.failed == "w1" and err.version == 2
+        assert set(err.incomplete) == {"w0", "w1", "w2"}
+        assert "w1" in str(err)
+        # the others were told to abort; nobody claims a complete version
+        for w in (workers[0], workers[2]):
+            assert ("abort", 2) in w.calls
+            assert await w.weight_version() is None
+        assert refit.versions() == {"w0": None, "w1": None, "w2": None}
+        assert refit.statistics().in_use == 0 and not refit.quarantined_slots()
+        # the coordinator keeps working without the failed worker
+        await refit.remove_worker("w1")
+        report = await refit.push(3)
+        assert report.workers == ("w0", "w2")
+        assert workers[0].equals(model) and workers[2].equals(model)
+
+
+async def test_hung_worker_times_out_and_its_slot_is_held_until_removed() -> None:
+    model = make_mlp()
+    workers = fakes(model, 2, w1=Faults(hang_at_bucket=0))
+    async with RefitCoordinator(
+        trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=0.5, cleanup_timeout=0.5
+    ) as refit:
+        with pytest.raises(PushError) as info:
+            await refit.push(1)
+        assert isinstance(info.value.cause, WorkerTimeoutError)
+        assert info.value.failed == "w1"
+        # The hung worker may still read slot 0: it must not be reused or freed yet.
+        assert set(refit.quarantined_slots().values()) == {frozenset({"w1"})}
+        assert refit.statistics().in_use > 0
+        await refit.remove_worker("w1")
+        assert refit.statistics().in_use == 0
+        await refit.push(2)
+        assert workers[0].equals(model)
+
+
+async def test_cancelled_push_releases_everything_and_next_push_works() -> None:
+    model = make_mlp()
+    workers = fakes(model, 2, w0=Faults(delay=0.05), w1=Faults(delay=0.05))
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        with anyio.move_on_after(0.12) as scope:
+            await refit.push(1)
+        assert scope.cancelled_caught
+        assert refit.statistics().in_use == 0
+        assert not refit.quarantined_slots()
+        assert refit.versions() == {"w0": None, "w1": None}
+        for w in workers:
+            assert ("abort", 1) in w.calls
+            assert await w.weight_version() is None
+        for w in workers:
+            w.faults.delay = 0
+        await refit.push(2)
+        assert all(w.equals(model) for w in workers)
+
+
+async def test_slots_are_reused_only_after_every_ack() -> None:
+    """Slow, uneven consumers and two slots: an early reuse would corrupt the copy."""
+    model = make_mlp()
+    workers = fakes(model, 3, w0=Faults(delay=0.02), w2=Faults(delay=0.005))
+    async with RefitCoordinator(
+        trainer=model, workers=workers, budget_bytes=128 * KIB, bucket_bytes=8 * KIB
+    ) as refit:
+        assert refit.plan is not None and len(refit.plan.buckets) >= 4
+        for version in (1, 2):
+            perturb(model, version)
+            report = await refit.push(version)
+            assert all(w.equals(model) for w in workers)
+            assert report.peak_budget_bytes <= refit.statistics().capacity
+            assert report.slots == 2
+
+
+async def test_concurrent_pushes_never_interleave_on_a_worker() -> None:
+    model = make_mlp()
+    workers = fakes(model, 2, w0=Faults(delay=0.01))
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refit.push, 1)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(refit.push, 2)
+        assert refit.version == 2
+    for w in workers:
+        versions = [v for _, v in w.calls]
+        assert versions == sorted(versions), w.calls
+
+
+async def test_changed_parameter_set_is_revalidated_before_sending() -> None:
+    model = make_mlp()
+    workers = fakes(model, 1)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        model[2].bias = torch.nn.Parameter(torch.zeros(65))
+        calls = list(workers[0].calls)
+        with pytest.raises(ParameterMismatchError, match="2.bias"):
+            await refit.push(2)
+        assert workers[0].calls == calls
+
+
+async def test_add_worker_joins_later_pushes() -> None:
+    model = make_mlp()
+    first = FakeWorker.like("first", cpu_device(0), model)
+    late = FakeWorker.like("late", cpu_device(1), model)
+    async with RefitCoordinator(trainer=model, workers=[first], budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        await refit.add_worker(late)
+        assert refit.versions()["late"] is None
+        with pytest.raises(DuplicateWorkerError):
+            await refit.add_worker(late)
+        perturb(model, 2)
+        await refit.push(2)
+        assert late.equals(model) and first.equals(model)
+        wide = FakeWorker.like("wide", cpu_device(2), make_mlp_wide())
+        with pytest.raises(ParameterMismatchError):
+            await refit.add_worker(wide)
+        assert "wide" not in refit.versions()
+
+
+def test_repr_shows_state() -> None:
+    model = make_mlp()
+    refit = RefitCoordinator(trainer=model, workers=fakes(model, 1), budget_bytes=64 * KIB)
+    assert "new" in repr(refit) and "workers=1" in repr(refit)
