@@ -14,7 +14,9 @@ from asyncrefit.local import spawn_local_workers
 
 def make_policy() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128)
+    )
 
 
 async def main() -> None:

@@ -17,8 +17,11 @@ def child_pids() -> set[int]:
     """Live child processes of this process (zombies excluded)."""
     pids: set[int] = set()
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            pids.update(int(p) for p in f.read().split())
+        try:
+            with open(path) as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            continue  # that thread ended meanwhile
     alive = set()
     for pid in pids:
         try:

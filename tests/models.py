@@ -8,17 +8,13 @@ import torch
 def make_mlp() -> torch.nn.Module:
     """A two-layer MLP (~33k float32 parameters), the same for every seed-less call."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
 
 
 def make_mlp_wide() -> torch.nn.Module:
     """Like :func:`make_mlp` but the first layer is wider: a shape mismatch."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
 
 
 def make_mixed() -> torch.nn.Module:

@@ -66,7 +66,7 @@ async def test_real_refit_is_bitwise_equal_over_three_pushes() -> None:
 async def test_mixed_dtypes_and_zero_size_through_processes() -> None:
     model = make_mixed()
     with torch.no_grad():
-        model.a[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+        model.get_parameter("a")[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
     async with spawn_local_workers(make_mixed, 2) as workers:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=8 * KIB) as refit:
             await refit.push(1)
@@ -75,9 +75,10 @@ async def test_mixed_dtypes_and_zero_size_through_processes() -> None:
 
 async def test_mismatch_is_refused_before_any_byte_reaches_a_worker() -> None:
     model = make_mlp()
-    async with spawn_local_workers(make_mlp, 1) as good, spawn_local_workers(
-        make_mlp_wide, 1, names=["wide"], devices=["cpu:1"]
-    ) as wide:
+    async with (
+        spawn_local_workers(make_mlp, 1) as good,
+        spawn_local_workers(make_mlp_wide, 1, names=["wide"], devices=["cpu:1"]) as wide,
+    ):
         before = await good[0].parameter_digests()
         with pytest.raises(ParameterMismatchError) as info:
             async with RefitCoordinator(

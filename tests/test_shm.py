@@ -215,11 +215,6 @@ def test_importer_too_small_segment_raises(
     assert importer.open(ok).numel() == PAGE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _Segment.open lets mmap's ValueError for an empty segment escape "
-    "instead of raising TransportError",
-)
 def test_importer_empty_segment_raises_transport_error(importer: SharedMemoryImporter) -> None:
     name = f"asyncrefit-{os.getpid()}-0e0e0e0e-1-0"
     path = os.path.join(SHM_DIR, name)

@@ -537,7 +537,7 @@ async def run_bench(
 
 async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> dict[str, Any]:
     say: Progress = progress if progress is not None else (lambda _: None)
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     machine = machine_info()
 
     say(f"building a {size_mib} MiB parameter set")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +14,6 @@ import anyio
 from ._budget import BudgetStatistics, ByteBudget
 from ._device import DeviceId
 from ._exceptions import (
-    primary_error,
     AsyncRefitError,
     BudgetTooSmallError,
     ClosedError,
@@ -28,6 +26,7 @@ from ._exceptions import (
     WorkerError,
     WorkerRemoteError,
     WorkerTimeoutError,
+    primary_error,
 )
 from ._messages import LoadBucket, encoded_size
 from ._plan import DEFAULT_ALIGNMENT, ParamSpec, Plan, plan_buckets, validate_worker
@@ -135,8 +134,10 @@ class RefitCoordinator:
     def _as_sources(trainer: Any) -> list[TrainerSource]:
         if isinstance(trainer, TrainerSource):
             return [trainer]
-        if isinstance(trainer, Sequence) and trainer and all(
-            isinstance(t, TrainerSource) for t in trainer
+        if (
+            isinstance(trainer, Sequence)
+            and trainer
+            and all(isinstance(t, TrainerSource) for t in trainer)
         ):
             return list(trainer)
         return [LocalTrainer(trainer)]
@@ -285,8 +286,9 @@ class RefitCoordinator:
             device = await self._call(name, "report_device_id_async", worker.report_device_id_async)
             if not isinstance(device, DeviceId):
                 raise WorkerRemoteError(
-                    name, "TypeError", f"report_device_id_async returned {type(device).__name__}, "
-                    "not a DeviceId"
+                    name,
+                    "TypeError",
+                    f"report_device_id_async returned {type(device).__name__}, not a DeviceId",
                 )
             specs = await self._call(name, "parameter_specs", worker.parameter_specs)
             found[name] = (device, tuple(specs))
@@ -314,7 +316,10 @@ class RefitCoordinator:
         raise UnknownDeviceError(
             name,
             device,
-            [f"{i.node}/{'*' if i.devices is None else ','.join(sorted(i.devices))}" for i in self._infos],
+            [
+                f"{i.node}/{'*' if i.devices is None else ','.join(sorted(i.devices))}"
+                for i in self._infos
+            ],
         )
 
     async def _replan(self) -> None:
@@ -396,8 +401,14 @@ class RefitCoordinator:
             self._forget(name)
 
     def _forget(self, name: str) -> None:
-        for table in (self._workers, self._devices, self._worker_specs, self._source_of, self._versions):
-            table.pop(name, None)  # type: ignore[attr-defined]
+        for table in (
+            self._workers,
+            self._devices,
+            self._worker_specs,
+            self._source_of,
+            self._versions,
+        ):
+            table.pop(name, None)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -486,7 +497,9 @@ class RefitCoordinator:
                 account.touched.add(name)
                 self._versions[name] = None
                 worker = self._workers[name]
-                tg.start_soon(self._call, name, "begin_update", lambda w=worker: w.begin_update(version))
+                tg.start_soon(
+                    self._call, name, "begin_update", lambda w=worker: w.begin_update(version)
+                )
         account.begin = time.perf_counter() - t
 
         async with anyio.create_task_group() as tg:

@@ -41,8 +41,7 @@ class BudgetTooSmallError(PlanError):
         self.needed_bytes = needed_bytes
         self.what = what
         super().__init__(
-            f"memory budget of {budget_bytes} bytes is smaller than {what} "
-            f"({needed_bytes} bytes)"
+            f"memory budget of {budget_bytes} bytes is smaller than {what} ({needed_bytes} bytes)"
         )
 
 
@@ -52,9 +51,7 @@ class CapacityExceededError(AsyncRefitError):
     def __init__(self, requested: int, capacity: int) -> None:
         self.requested = requested
         self.capacity = capacity
-        super().__init__(
-            f"requested {requested} bytes from a budget of {capacity} bytes in total"
-        )
+        super().__init__(f"requested {requested} bytes from a budget of {capacity} bytes in total")
 
 
 # --- discovery ---------------------------------------------------------------------
@@ -94,9 +91,7 @@ class VersionError(AsyncRefitError):
     def __init__(self, version: int, current: int) -> None:
         self.version = version
         self.current = current
-        super().__init__(
-            f"version {version} is not newer than the last complete version {current}"
-        )
+        super().__init__(f"version {version} is not newer than the last complete version {current}")
 
 
 # --- workers and transports ----------------------------------------------------------

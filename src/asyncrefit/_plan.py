@@ -164,7 +164,8 @@ def plan_buckets(
         if any(d < 0 for d in spec.shape):
             raise PlanError(f"parameter {spec.name!r} has a negative dimension {spec.shape}")
         nbytes = spec.nbytes
-        offset = _align(end, alignment)
+        # Never below the element size, so every entry can be viewed as its dtype.
+        offset = _align(end, max(alignment, dtype_itemsize(spec.dtype)))
         if current and offset + nbytes > bucket_bytes:
             close()
             offset = 0
@@ -208,8 +209,9 @@ def validate_worker(
             raise ParameterMismatchError(worker, name, "the trainer does not send it")
         if want.shape != got.shape:
             raise ParameterMismatchError(
-                worker, name, f"shape {list(got.shape)} on the worker, "
-                f"{list(want.shape)} on the trainer"
+                worker,
+                name,
+                f"shape {list(got.shape)} on the worker, {list(want.shape)} on the trainer",
             )
         if want.dtype != got.dtype:
             raise ParameterMismatchError(

@@ -71,8 +71,7 @@ class VersionState:
         self.check_loading(version)
         if len(self.loaded) != buckets:
             raise UpdateStateError(
-                f"version {version} committed with {len(self.loaded)} of {buckets} "
-                f"buckets loaded"
+                f"version {version} committed with {len(self.loaded)} of {buckets} buckets loaded"
             )
         self.complete, self.pending, self.dirty, self.loaded = version, None, False, set()
 
@@ -89,7 +88,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(_uint8())
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
-    h.update(memoryview(flat.numpy()))
+    h.update(flat.numpy().data)
     return h.hexdigest()
 
 
@@ -185,17 +184,17 @@ class ParameterReceiver:
         handle = self._own_handle(handles)
         self._check_entries(handle)
         importer = self._importer(handle.kind)
-        self.state.loading(version, bucket)
         buffer = importer.open(handle)
         try:
+            self.state.loading(version, bucket)  # from here on, bytes get written
             with torch.no_grad():
                 for e in handle.entries:
-                    src = buffer[e.offset : e.offset + e.nbytes]
-                    self._params[e.name].copy_(src.view(torch_dtype(e.dtype)).view(e.shape))
+                    src = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
+                    self._params[e.name].copy_(src.view(e.shape))
+                    del src
             importer.finish(handle)
         finally:
             del buffer  # drop every view before the ack
-            src = None  # noqa: F841
         return BucketAck(
             bucket=bucket,
             nbytes=sum(e.nbytes for e in handle.entries),

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
     from ._plan import Bucket, Plan
 
-TensorsLike = "torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]"
+TensorsLike = (
+    "torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]"
+)
 
 
 class LocalTrainer:
@@ -39,7 +41,9 @@ class LocalTrainer:
 
     def __init__(
         self,
-        parameters: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]],
+        parameters: torch.nn.Module
+        | Mapping[str, torch.Tensor]
+        | Callable[[], Mapping[str, torch.Tensor]],
         *,
         exporter: Exporter | None = None,
         devices: Iterable[DeviceId | str] | None = None,

@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import SocketStream
 
 from .._device import DeviceId, cpu_device
-from .._exceptions import WorkerDiedError, primary_error, WorkerRemoteError, WorkerTimeoutError
+from .._exceptions import WorkerDiedError, WorkerRemoteError, WorkerTimeoutError, primary_error
 from .._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -121,10 +121,16 @@ class LocalWorker:
                     raise WorkerTimeoutError(self._name, "sending a request timed out")
                 while True:
                     got_id, reply = decode(await self._reader.receive())
+                    assert isinstance(reply, Reply)
                     if got_id == request_id:
                         break
                     # else: the reply to a request whose caller was cancelled: drop it
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            except (
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                OSError,
+            ):
                 await self._mark_dead("the worker process closed its connection")
                 assert self._dead is not None
                 raise WorkerDiedError(self._name, self._dead) from None

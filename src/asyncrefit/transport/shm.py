@@ -94,7 +94,7 @@ class _Segment:
         try:
             size = os.fstat(fd).st_size
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an empty segment
             raise TransportError(f"cannot map shared memory segment {name!r}: {exc}") from exc
         finally:
             os.close(fd)
@@ -133,7 +133,7 @@ def sweep_stale_segments() -> list[str]:
 
     Returns the names removed. Only names of this library's own pattern are touched.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
