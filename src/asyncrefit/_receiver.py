@@ -17,7 +17,7 @@ from ._device import DeviceId
 from ._exceptions import AsyncRefitError, TransportError
 from ._messages import BucketAck
 from ._plan import ParamSpec
-from .transport._base import Handle, Importer, dtype_name, torch_dtype
+from .transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -98,14 +98,13 @@ def _uint8() -> torch.dtype:
     return torch.uint8
 
 
-def _default_importers() -> dict[str, Importer]:
-    from .transport.shm import SharedMemoryImporter
-
-    return {"shm": SharedMemoryImporter()}
 
 
 class ParameterReceiver:
     """Copies buckets from transport handles into a worker's own parameter tensors.
+
+    Importers are made on first use from the handle's ``kind`` by ``importer_factory``
+    (default: :func:`asyncrefit.transport.make_importer`).
 
     Resource handling: handles are opened through per-transport importers that cache
     their mappings across pushes; every slice of a buffer is dropped before
@@ -127,10 +126,8 @@ class ParameterReceiver:
     ) -> None:
         self.device = device
         self._params = dict(parameters)
-        self._importers: dict[str, Importer] = dict(
-            importers if importers is not None else _default_importers()
-        )
-        self._importer_factory = importer_factory
+        self._importers: dict[str, Importer] = dict(importers or {})
+        self._importer_factory = importer_factory or make_importer
         self.state = VersionState()
 
     def __repr__(self) -> str:
@@ -152,8 +149,6 @@ class ParameterReceiver:
     def _importer(self, kind: str) -> Importer:
         importer = self._importers.get(kind)
         if importer is None:
-            if self._importer_factory is None:
-                raise TransportError(f"this worker cannot open {kind!r} handles")
             importer = self._importers[kind] = self._importer_factory(kind)
         return importer
 

@@ -3,6 +3,7 @@
 from ._base import Exporter as Exporter
 from ._base import Handle as Handle
 from ._base import Importer as Importer
+from ._base import make_importer as make_importer
 from .shm import SharedMemoryExporter as SharedMemoryExporter
 from .shm import SharedMemoryImporter as SharedMemoryImporter
 from .shm import ShmHandle as ShmHandle
@@ -14,4 +15,5 @@ __all__ = (
     "SharedMemoryExporter",
     "SharedMemoryImporter",
     "ShmHandle",
+    "make_importer",
 )

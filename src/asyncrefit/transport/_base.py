@@ -63,6 +63,29 @@ class Importer(Protocol):
         """Drop every cached view and mapping. Idempotent."""
 
 
+#: Importer classes by handle kind, as ``(module, class name)``: imported on first use so
+#: that a transport's heavy dependencies load only where its handles arrive.
+IMPORTERS: dict[str, tuple[str, str]] = {
+    "shm": ("asyncrefit.transport.shm", "SharedMemoryImporter"),
+    "cuda_ipc": ("asyncrefit.transport.cuda_ipc", "CudaIpcImporter"),
+}
+
+
+def make_importer(kind: str) -> Importer:
+    """A new importer for handles of ``kind``; raises ``TransportError`` if unknown."""
+    import importlib
+
+    from .._exceptions import TransportError
+
+    try:
+        module_name, class_name = IMPORTERS[kind]
+    except KeyError:
+        raise TransportError(f"no transport can open {kind!r} handles") from None
+    cls = getattr(importlib.import_module(module_name), class_name)
+    importer: Importer = cls()
+    return importer
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The ``torch.dtype`` named ``name`` (``"bfloat16"``)."""
     import torch
