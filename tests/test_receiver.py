@@ -22,7 +22,7 @@ from asyncrefit import (
 )
 from asyncrefit._plan import Bucket
 from asyncrefit._receiver import UpdateStateError, tensor_digest
-from asyncrefit.transport import Importer, SharedMemoryExporter, SharedMemoryImporter
+from asyncrefit.transport import Importer, SharedMemoryExporter, SharedMemoryImporter, make_importer
 from asyncrefit.transport._base import Handle, dtype_name, torch_dtype
 
 DEV = cpu_device(0, node="node-a")
@@ -449,12 +449,21 @@ def test_missing_importer_raises_before_any_write(exporter: SharedMemoryExporter
     plan = plan_buckets(specs_of(source), 1 << 20)
     exporter.allocate(1, plan.max_bucket_bytes)
     pack(exporter, 0, plan.buckets[0], source)
-    receiver = ParameterReceiver(params, DEV, importers={})
+
+    def refuse(kind: str) -> Importer:
+        raise TransportError(f"this worker cannot open {kind!r} handles")
+
+    receiver = ParameterReceiver(params, DEV, importer_factory=refuse)
     receiver.begin(1)
     with pytest.raises(TransportError, match="cannot open 'shm' handles"):
         receiver.load(1, 0, (exporter.handle(0, plan.buckets[0], DEV),))
     assert_unchanged(params, before)
     receiver.close()
+
+
+def test_unknown_transport_kind_is_a_transport_error() -> None:
+    with pytest.raises(TransportError, match="'carrier-pigeon'"):
+        make_importer("carrier-pigeon")
 
 
 def test_load_of_version_not_being_received_raises(
