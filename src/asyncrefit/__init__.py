@@ -37,6 +37,7 @@ from ._receiver import VersionState as VersionState
 from ._report import RefitReport as RefitReport
 from ._report import StageTimes as StageTimes
 from ._trainer import LocalTrainer as LocalTrainer
+from ._trainer import SharedParameterTrainer as SharedParameterTrainer
 from ._worker import SourceInfo as SourceInfo
 from ._worker import TrainerSource as TrainerSource
 from ._worker import Worker as Worker
@@ -64,6 +65,7 @@ __all__ = (
     "PushError",
     "RefitCoordinator",
     "RefitReport",
+    "SharedParameterTrainer",
     "SourceInfo",
     "StageTimes",
     "TensorEntry",

@@ -1,14 +1,21 @@
-"""The in-process trainer source: the training loop's own tensors, packed into slots."""
+"""In-process trainer sources: the training loop's own tensors, exported to workers.
+
+:class:`LocalTrainer` packs each bucket into a reusable staging slot of a transport.
+:class:`SharedParameterTrainer` (CPU) instead moves the parameters themselves into
+shared memory once, so a push exports them without the packing copy.
+"""
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
 from ._device import DeviceId, local_node_id
-from ._exceptions import ClosedError, PlanError
+from ._exceptions import ClosedError, PlanError, TransportError
 from ._plan import ParamSpec
 from ._worker import SourceInfo
 from .transport._base import Exporter, Handle, dtype_name, torch_dtype
@@ -17,38 +24,25 @@ if TYPE_CHECKING:
     import torch
 
     from ._plan import Bucket, Plan
+    from .transport.shm import ShmHandle, _Segment
 
-TensorsLike = (
+logger = logging.getLogger(__name__)
+
+TensorsLike: TypeAlias = (
     "torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]"
 )
 
 
-class LocalTrainer:
-    """A :class:`~asyncrefit.TrainerSource` over tensors of this process.
-
-    ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
-    names to tensors, or a callable returning one; it is read afresh at every push, so
-    in-place optimizer steps and replaced tensors are both seen. Packing runs in a
-    worker thread so the event loop keeps serving acks meanwhile; do not step the
-    optimizer while a push is running.
-
-    ``exporter`` picks the transport (shared memory by default). ``devices`` restricts
-    the devices served (default: every device on this node).
-
-    Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
-    (also on every error path of the coordinator that owns this source).
-    """
+class _InProcessSource:
+    """What both in-process sources share: reading the tensors, describing them."""
 
     def __init__(
         self,
-        parameters: torch.nn.Module
-        | Mapping[str, torch.Tensor]
-        | Callable[[], Mapping[str, torch.Tensor]],
+        parameters: TensorsLike,
         *,
-        exporter: Exporter | None = None,
-        devices: Iterable[DeviceId | str] | None = None,
-        node: str | None = None,
-        name: str = "trainer",
+        devices: Iterable[DeviceId | str] | None,
+        node: str | None,
+        name: str,
     ) -> None:
         import torch
 
@@ -62,11 +56,6 @@ class LocalTrainer:
             self._tensors = lambda: mapping
         else:
             self._tensors = parameters
-        if exporter is None:
-            from .transport.shm import SharedMemoryExporter
-
-            exporter = SharedMemoryExporter()
-        self._exporter = exporter
         self._node = node if node is not None else local_node_id()
         self._devices = (
             None
@@ -74,17 +63,11 @@ class LocalTrainer:
             else frozenset(d.device if isinstance(d, DeviceId) else d for d in devices)
         )
         self._name = name
+        # One thread at a time touches the buffers; aclose waits for it.
         self._limiter = anyio.CapacityLimiter(1)
-        self._closed = False
-
-    def __repr__(self) -> str:
-        return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
-
-    @property
-    def exporter(self) -> Exporter:
-        return self._exporter
 
     def specs(self) -> tuple[ParamSpec, ...]:
+        """The current parameters' names, shapes and dtypes, in order."""
         return tuple(
             ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
             for name, t in self._tensors().items()
@@ -95,12 +78,63 @@ class LocalTrainer:
             name=self._name, node=self._node, devices=self._devices, specs=self.specs()
         )
 
+    def _tensor(
+        self, tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: str
+    ) -> torch.Tensor:
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise PlanError(f"parameter {name!r} disappeared from the trainer")
+        if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
+            raise PlanError(f"parameter {name!r} changed shape or dtype mid-push")
+        return tensor
+
+
+class LocalTrainer(_InProcessSource):
+    """A :class:`~asyncrefit.TrainerSource` over tensors of this process.
+
+    ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
+    names to tensors, or a callable returning one; it is read afresh at every push, so
+    in-place optimizer steps and replaced tensors are both seen. Packing runs in a
+    worker thread so the event loop keeps serving acks meanwhile; do not step the
+    optimizer while a push is running.
+
+    ``exporter`` picks the transport (shared memory by default). ``devices`` restricts
+    the devices served (default: every device on this node).
+
+    Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
+    (also on every error path of the coordinator that owns this source); a source can
+    be prepared again after ``aclose``.
+    """
+
+    def __init__(
+        self,
+        parameters: TensorsLike,
+        *,
+        exporter: Exporter | None = None,
+        devices: Iterable[DeviceId | str] | None = None,
+        node: str | None = None,
+        name: str = "trainer",
+    ) -> None:
+        super().__init__(parameters, devices=devices, node=node, name=name)
+        if exporter is None:
+            from .transport.shm import SharedMemoryExporter
+
+            exporter = SharedMemoryExporter()
+        self._exporter = exporter
+        self._prepared = False
+
+    def __repr__(self) -> str:
+        return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
+
+    @property
+    def exporter(self) -> Exporter:
+        return self._exporter
+
     async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None:
-        if self._closed:
-            raise ClosedError(f"trainer source {self._name!r} is closed")
         await anyio.to_thread.run_sync(
             self._exporter.allocate, slots, slot_bytes, limiter=self._limiter
         )
+        self._prepared = True
 
     def _pack(self, bucket: Bucket, slot: int) -> None:
         import torch
@@ -109,11 +143,7 @@ class LocalTrainer:
         buffer = self._exporter.buffer(slot)
         with torch.no_grad():
             for e in bucket.entries:
-                tensor = tensors.get(e.name)
-                if tensor is None:
-                    raise PlanError(f"parameter {e.name!r} disappeared from the trainer")
-                if tuple(tensor.shape) != e.shape or dtype_name(tensor.dtype) != e.dtype:
-                    raise PlanError(f"parameter {e.name!r} changed shape or dtype mid-push")
+                tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
                 dst = buffer[e.offset : e.offset + e.nbytes]
                 dst.view(torch_dtype(e.dtype)).view(e.shape).copy_(tensor)
         self._exporter.seal(slot)
@@ -121,13 +151,157 @@ class LocalTrainer:
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
     ) -> tuple[Handle, ...]:
-        if self._closed:
-            raise ClosedError(f"trainer source {self._name!r} is closed")
+        if not self._prepared:
+            raise ClosedError(f"trainer source {self._name!r} has no buffers (not prepared)")
         await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
         return tuple(self._exporter.handle(slot, bucket, d) for d in devices)
 
     async def aclose(self) -> None:
-        self._closed = True
+        self._prepared = False
         # Wait for a pack still running in its thread before unmapping its buffer.
         async with self._limiter:
             self._exporter.close()
+
+
+class SharedParameterTrainer(_InProcessSource):
+    """A zero-copy :class:`~asyncrefit.TrainerSource` for CPU parameters.
+
+    ``prepare`` lays the parameters out bucket by bucket in shared-memory segments
+    (one copy, once per plan) and rebinds each parameter's ``.data`` to its place
+    there; optimizer steps then update the shared memory in place, and a push exports
+    handles to it without packing. A parameter the training loop replaced (its storage
+    moved) is copied back into place at the next push.
+
+    Workers read the parameters while a push runs: do not step the optimizer then (the
+    push returns only after every worker acknowledged). A worker that hangs past the
+    coordinator's timeout may still be reading when the next step runs; it is reported
+    as holding no complete version and must be removed.
+
+    Resource handling: ``aclose`` unlinks every segment name (nothing is left under
+    ``/dev/shm``); the parameters keep their memory, which stays valid for as long as
+    the tensors live. Shared memory counts against the ``/dev/shm`` size limit.
+    """
+
+    def __init__(
+        self,
+        parameters: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        devices: Iterable[DeviceId | str] | None = None,
+        node: str | None = None,
+        name: str = "trainer",
+    ) -> None:
+        super().__init__(parameters, devices=devices, node=node, name=name)
+        self._token = secrets.token_hex(4)
+        self._generation = 0
+        self._segments: dict[int, _Segment] = {}
+        self._addresses: dict[str, int] = {}
+        self._fingerprint: str | None = None
+        self.relocated = 0  # parameters copied back into place after being replaced
+
+    def __repr__(self) -> str:
+        size = sum(s.size for s in self._segments.values())
+        return (
+            f"<SharedParameterTrainer {self._name!r} segments={len(self._segments)} bytes={size}>"
+        )
+
+    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None:
+        await anyio.to_thread.run_sync(self._layout, plan, limiter=self._limiter)
+
+    def _layout(self, plan: Plan) -> None:
+        import torch
+
+        from .transport.shm import _Segment, segment_name
+
+        if plan.fingerprint == self._fingerprint and self._segments:
+            return
+        self._unlink()
+        self._generation += 1
+        tensors = self._tensors()
+        segments: dict[int, _Segment] = {}
+        try:
+            for bucket in plan.buckets:
+                name = segment_name(self._token, self._generation, bucket.index)
+                segments[bucket.index] = _Segment.create(name, max(1, bucket.nbytes))
+        except BaseException:
+            for seg in segments.values():
+                _unlink_segment(seg)
+            raise
+        with torch.no_grad():
+            for bucket in plan.buckets:
+                base = segments[bucket.index].tensor
+                assert base is not None
+                for e in bucket.entries:
+                    self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
+        self._segments = segments
+        self._fingerprint = plan.fingerprint
+
+    def _place(
+        self,
+        base: torch.Tensor,
+        offset: int,
+        nbytes: int,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> None:
+        tensor = self._tensor(tensors, name, shape, dtype)
+        if tensor.device.type != "cpu":
+            raise TransportError(f"parameter {name!r} is on {tensor.device}, not the CPU")
+        view = base[offset : offset + nbytes].view(torch_dtype(dtype)).view(shape)
+        view.copy_(tensor)
+        tensor.data = view
+        self._addresses[name] = view.data_ptr()
+
+    def _refresh(self, bucket: Bucket) -> None:
+        import torch
+
+        tensors = self._tensors()
+        base = self._segments[bucket.index].tensor
+        assert base is not None
+        with torch.no_grad():
+            for e in bucket.entries:
+                tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
+                if e.nbytes and tensor.data_ptr() != self._addresses.get(e.name):
+                    self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
+                    self.relocated += 1
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        from .transport.shm import ShmHandle
+
+        if bucket.index not in self._segments:
+            raise ClosedError(f"trainer source {self._name!r} has no segments (not prepared)")
+        await anyio.to_thread.run_sync(self._refresh, bucket, limiter=self._limiter)
+        segment = self._segments[bucket.index].name
+        handles: tuple[ShmHandle, ...] = tuple(
+            ShmHandle(
+                device=d,
+                bucket=bucket.index,
+                nbytes=bucket.nbytes,
+                entries=bucket.entries,
+                segment=segment,
+            )
+            for d in devices
+        )
+        return handles
+
+    def _unlink(self) -> None:
+        segments, self._segments = self._segments, {}
+        self._fingerprint = None
+        for seg in segments.values():
+            _unlink_segment(seg)
+
+    async def aclose(self) -> None:
+        async with self._limiter:
+            self._unlink()
+
+
+def _unlink_segment(segment: _Segment) -> None:
+    """Remove the name; the memory lives on in the parameters' views."""
+    from .transport.shm import _unlink
+
+    segment.tensor = None
+    segment.mapping = None  # views hold the mapping; it is unmapped with the last one
+    _unlink(segment.name)

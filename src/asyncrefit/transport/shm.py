@@ -53,7 +53,11 @@ def _path(name: str) -> str:
 
 
 class _Segment:
-    """One mapped segment and its flat ``uint8`` tensor."""
+    """One mapped segment and its flat ``uint8`` tensor.
+
+    Views of ``tensor`` keep the mapping alive on their own (``torch.frombuffer``
+    holds the buffer), so a segment may be unlinked while views are still in use.
+    """
 
     __slots__ = ("mapping", "name", "size", "tensor")
 
@@ -109,6 +113,11 @@ class _Segment:
                 # A caller still holds a view; the mapping goes with the last view.
                 logger.warning("segment %s still has views; unmapped when they go", self.name)
             self.mapping = None
+
+
+def segment_name(token: str, generation: int, index: int) -> str:
+    """The name of a segment this process creates: its pid lets a sweep find orphans."""
+    return f"{PREFIX}-{os.getpid()}-{token}-{generation}-{index}"
 
 
 def _unlink(name: str) -> None:
@@ -188,7 +197,7 @@ class SharedMemoryExporter:
         self._generation += 1
         try:
             for i in range(slots):
-                name = f"{PREFIX}-{os.getpid()}-{self._token}-{self._generation}-{i}"
+                name = segment_name(self._token, self._generation, i)
                 self._segments.append(_Segment.create(name, size))
         except BaseException:
             self.close()

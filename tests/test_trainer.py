@@ -1,0 +1,126 @@
+"""Trainer sources: staging slots (LocalTrainer) and zero-copy shared parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrefit import (
+    ClosedError,
+    LocalTrainer,
+    PlanError,
+    RefitCoordinator,
+    SharedParameterTrainer,
+    cpu_device,
+    plan_buckets,
+)
+from asyncrefit._receiver import tensor_digest
+from asyncrefit.local import spawn_local_workers
+
+from .fakes import FakeWorker
+from .helpers import own_segments
+from .models import make_mixed, make_mlp
+
+KIB = 1024
+
+
+def shm_backed(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in one of this process's shared-memory segments."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/asyncrefit-" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= t.data_ptr() < hi:
+                    return True
+    return False
+
+
+def adam_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = torch.stack([(p.float() ** 2).sum() for p in model.parameters()]).sum()
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    opt.zero_grad()
+
+
+async def test_shared_parameters_push_without_packing_and_train_in_place() -> None:
+    model = make_mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = SharedParameterTrainer(model)
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=64 * KIB) as refit:
+        # the layout moved every parameter into shared memory, values unchanged
+        for name, p in model.named_parameters():
+            assert shm_backed(p), name
+            assert torch.equal(p, before[name])
+        for version in (1, 2, 3):
+            adam_step(model, opt)  # updates the shared memory in place
+            assert all(shm_backed(p) for p in model.parameters())
+            await refit.push(version)
+            assert all(w.equals(model) for w in workers)
+        assert trainer.relocated == 0
+    assert own_segments() == []
+    # the parameters outlive the segment names and stay trainable
+    adam_step(model, opt)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+async def test_replaced_parameter_is_copied_back_into_place() -> None:
+    model = make_mlp()
+    assert isinstance(model, torch.nn.Sequential)
+    trainer = SharedParameterTrainer(model)
+    workers = [FakeWorker.like("w0", cpu_device(0), model)]
+    async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        model[0].bias = torch.nn.Parameter(torch.full((256,), 3.0))  # new storage
+        await refit.push(2)
+        assert trainer.relocated == 1
+        assert shm_backed(model[0].bias)
+        assert workers[0].equals(model)
+
+
+async def test_shared_parameters_into_worker_processes() -> None:
+    model = make_mixed()
+    trainer = SharedParameterTrainer(model)
+    async with spawn_local_workers(make_mixed, 2) as workers:
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=8 * KIB
+        ) as refit:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1)
+            await refit.push(1)
+            want = {n: tensor_digest(p) for n, p in model.named_parameters()}
+            for w in workers:
+                assert await w.parameter_digests() == want
+
+
+async def test_local_trainer_refuses_to_export_before_prepare() -> None:
+    model = make_mlp()
+    trainer = LocalTrainer(model)
+    plan = plan_buckets(trainer.specs(), 64 * KIB)
+    with pytest.raises(ClosedError):
+        await trainer.export(plan.buckets[0], 0, [cpu_device(0)])
+    await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    handles = await trainer.export(plan.buckets[0], 0, [cpu_device(0)])
+    assert [h.device for h in handles] == [cpu_device(0)]
+    await trainer.aclose()
+    with pytest.raises(ClosedError):
+        await trainer.export(plan.buckets[0], 0, [cpu_device(0)])
+    assert own_segments() == []
+
+
+async def test_shared_trainer_rejects_a_changed_parameter() -> None:
+    # a parameter set change between plan and export is a typed error, not garbage
+    model = make_mlp()
+    assert isinstance(model, torch.nn.Sequential)
+    trainer = SharedParameterTrainer(model)
+    plan = plan_buckets(trainer.specs(), 64 * KIB)
+    await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    try:
+        model[2].bias = torch.nn.Parameter(torch.zeros(65))
+        bucket = next(b for b in plan.buckets if any(e.name == "2.bias" for e in b.entries))
+        with pytest.raises(PlanError, match=r"2\.bias"):
+            await trainer.export(bucket, 0, [cpu_device(0)])
+    finally:
+        await trainer.aclose()
