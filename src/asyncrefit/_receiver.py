@@ -98,8 +98,6 @@ def _uint8() -> torch.dtype:
     return torch.uint8
 
 
-
-
 class ParameterReceiver:
     """Copies buckets from transport handles into a worker's own parameter tensors.
 

@@ -1,0 +1,145 @@
+"""Cancel a push after k scheduling points, for every k until it completes.
+
+After every cancelled push: no task is left running, the budget is fully returned, no
+slot is held, no segment leaked, every worker holds either a complete version whose
+bytes are right or no complete version, and the next push succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import torch
+from anyio.lowlevel import checkpoint
+
+from asyncrefit import RefitCoordinator, SharedParameterTrainer, cpu_device
+from asyncrefit._receiver import tensor_digest
+from asyncrefit.local import LocalWorker, WorkerFaults, spawn_local_workers
+
+from .fakes import FakeWorker
+from .helpers import own_segments
+from .models import make_mlp
+
+KIB = 1024
+
+
+def step(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen))
+
+
+async def push_cancelled_after(refit: RefitCoordinator, version: int, k: int) -> bool:
+    """Start ``push(version)``, cancel it after ``k`` scheduling points; True if it finished."""
+    finished = False
+    scope = anyio.CancelScope()
+
+    async def pusher() -> None:
+        nonlocal finished
+        with scope:
+            await refit.push(version)
+            finished = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pusher)
+        for _ in range(k):
+            await checkpoint()
+        scope.cancel()
+    return finished
+
+
+async def check_clean(refit: RefitCoordinator, tasks_before: int, segments: set[str]) -> None:
+    stats = refit.statistics()
+    assert stats.in_use == 0 and stats.waiters == 0, stats
+    assert not refit.quarantined_slots()
+    assert len(asyncio.all_tasks()) == tasks_before
+    assert set(own_segments()) == segments  # the coordinator's own slots, nothing more
+
+
+async def test_cancel_at_every_scheduling_point_with_fake_workers() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(3)]
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        tasks_before = len(asyncio.all_tasks())
+        segments = set(own_segments())
+        history = {1: {n: tensor_digest(p) for n, p in model.named_parameters()}}
+        version, k, cancelled = 1, 0, 0
+        while True:
+            version += 1
+            step(model, version)
+            history[version] = {n: tensor_digest(p) for n, p in model.named_parameters()}
+            finished = await push_cancelled_after(refit, version, k)
+            await check_clean(refit, tasks_before, segments)
+            for w in workers:
+                held = await w.weight_version()
+                # a complete version is one whose bytes the worker really holds
+                if held is not None:
+                    assert w.receiver.digests() == history[held], (k, w.name, held)
+            if finished:
+                break
+            cancelled += 1
+            # and the coordinator is still usable
+            version += 1
+            history[version] = history[version - 1]
+            await refit.push(version)
+            assert all(w.equals(model) for w in workers)
+            k += 1
+        assert cancelled >= 10, "the push finished too soon to test anything"
+
+
+async def test_cancel_at_every_scheduling_point_zero_copy() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    trainer = SharedParameterTrainer(model)
+    async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        tasks_before = len(asyncio.all_tasks())
+        segments = set(own_segments())
+        version, k = 1, 0
+        while True:
+            version += 1
+            if await push_cancelled_after(refit, version, k):
+                break
+            await check_clean(refit, tasks_before, segments)
+            version += 1
+            await refit.push(version)
+            k += 1
+        assert k >= 10
+
+
+async def test_cancel_at_scheduling_points_with_processes() -> None:
+    """Real processes: replies arrive late, after the cancel; the channel must survive."""
+    model = make_mlp()
+    faults = {"worker-1": WorkerFaults(load_delay=0.002)}
+    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+            await refit.push(1)
+            tasks_before = len(asyncio.all_tasks())
+            segments = set(own_segments())
+            version, k = 1, 0
+            while True:
+                version += 1
+                step(model, version)
+                if await push_cancelled_after(refit, version, k):
+                    break
+                await check_clean(refit, tasks_before, segments)
+                for w in workers:
+                    assert await w.weight_version() in (None, version - 1)
+                version += 1
+                await refit.push(version)
+                await assert_workers_hold(workers, model, version)
+                k += 3  # processes are slow to cycle: every third point
+            await assert_workers_hold(workers, model, version)
+            assert k >= 6
+
+
+async def assert_workers_hold(
+    workers: list[LocalWorker], model: torch.nn.Module, version: int
+) -> None:
+    want = {n: tensor_digest(p) for n, p in model.named_parameters()}
+    for w in workers:
+        assert await w.weight_version() == version
+        assert await w.parameter_digests() == want
