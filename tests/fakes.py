@@ -7,6 +7,8 @@ call, every handle and the serialized size of every load request.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +28,10 @@ class Faults:
     die_at_bucket: int | None = None  # raise WorkerDiedError (as a dead process would)
     hang_at_bucket: int | None = None  # never answer that load, nor anything after it
     delay: float = 0.0  # sleep holding a view of the buffer before copying
+    # Copy bucket ``read_late_at`` in a thread that first sleeps ``read_late`` seconds
+    # and that cancelling the call does not stop: a reader the coordinator cannot halt.
+    read_late_at: int | None = None
+    read_late: float = 0.0
     bad_device: DeviceId | None = None
 
 
@@ -46,6 +52,8 @@ class FakeWorker:
 
     def __post_init__(self) -> None:
         self.receiver = ParameterReceiver(self.parameters, self.device)
+        self.reading = threading.Event()  # set while no late reader runs
+        self.reading.set()
 
     @classmethod
     def like(
@@ -96,6 +104,17 @@ class FakeWorker:
             await anyio.sleep_forever()
         if f.delay:
             await anyio.sleep(f.delay)
+        if f.read_late_at == bucket:
+            self.reading.clear()
+
+            def late() -> BucketAck:
+                try:
+                    time.sleep(f.read_late)
+                    return self.receiver.load(version, bucket, handles)
+                finally:
+                    self.reading.set()
+
+            return await anyio.to_thread.run_sync(late, abandon_on_cancel=True)
         return self.receiver.load(version, bucket, handles)
 
     async def commit_update(self, version: int, buckets: int) -> None:
@@ -107,6 +126,8 @@ class FakeWorker:
     async def abort_update(self, version: int) -> None:
         await anyio.lowlevel.checkpoint()
         await self._check_alive()
+        # Honest: confirm only once no thread of ours reads any buffer.
+        await anyio.to_thread.run_sync(self.reading.wait, abandon_on_cancel=True)
         self.calls.append(("abort", version))
         self.receiver.abort(version)
 

@@ -244,7 +244,7 @@ async def test_worker_failure_mid_push(fault: Faults, cause: type[Exception]) ->
         assert workers[0].equals(model) and workers[2].equals(model)
 
 
-async def test_hung_worker_times_out_and_its_slot_is_held_until_removed() -> None:
+async def test_hung_worker_times_out_and_its_slot_is_held_until_it_is_gone() -> None:
     model = make_mlp()
     workers = fakes(model, 2, w1=Faults(hang_at_bucket=0))
     async with RefitCoordinator(
@@ -254,12 +254,18 @@ async def test_hung_worker_times_out_and_its_slot_is_held_until_removed() -> Non
             await refit.push(1)
         assert isinstance(info.value.cause, WorkerTimeoutError)
         assert info.value.failed == "w1"
-        # The hung worker may still read slot 0: it must not be reused or freed yet.
-        assert set(refit.quarantined_slots().values()) == {frozenset({"w1"})}
-        assert refit.statistics().in_use > 0
+        # The hung worker may still read slot 0: it must not be reused or freed yet,
+        # not even once the worker is removed from the coordinator.
+        held = {frozenset({"w1"})}
+        assert set(refit.quarantined_slots().values()) == held
         await refit.remove_worker("w1")
-        assert refit.statistics().in_use == 0
+        assert set(refit.quarantined_slots().values()) == held
+        assert refit.statistics().in_use > 0
+        assert refit.versions() == {"w0": None}
+        # Once it is known dead, the next push releases its slot first.
+        workers[1].hung, workers[1].dead = False, True
         await refit.push(2)
+        assert not refit.quarantined_slots() and refit.statistics().in_use == 0
         assert workers[0].equals(model)
 
 

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: How long a push waits for workers that never confirmed an abort before it starts.
+_SETTLE_BEFORE_PUSH = 0.1
+
 
 @dataclass(slots=True)
 class _PushAccount:
@@ -125,6 +128,9 @@ class RefitCoordinator:
         self._budget: ByteBudget | None = None
         self._versions: dict[str, int | None] = {}
         self._last_version: int | None = None
+        # Workers (in the set or removed) that may read slots and never confirmed an
+        # abort, with the version to abort: their slots stay quarantined until then.
+        self._unsettled: dict[str, tuple[Worker, int]] = {}
         self._lock = anyio.Lock()
         self._state = "new"
 
@@ -257,6 +263,7 @@ class RefitCoordinator:
 
     def _stop_reading(self, name: str) -> None:
         """``name`` reads no slot any more (it confirmed an abort, or it is dead)."""
+        self._unsettled.pop(name, None)
         self._release_slots(self._slots.worker_done(name))
 
     def _release_slots(self, freed: Iterable[int]) -> None:
@@ -388,17 +395,41 @@ class RefitCoordinator:
                 raise
 
     async def remove_worker(self, name: str) -> None:
-        """Stop pushing to worker ``name`` (for instance after it died).
+        """Stop pushing to worker ``name`` (for instance after it died or hung).
 
-        Slots it may still have been reading are released once it is removed: the
-        caller asserts it reads no more (its process is gone, or it was told to abort).
+        Slots the worker may still be reading (it timed out and never confirmed an
+        abort) are not released by removing it: they stay quarantined until the worker
+        confirms an abort or is known dead. That is tried now, bounded by
+        ``cleanup_timeout``, and again, briefly, before every later push; killing a hung
+        worker's process settles it at the next try.
         """
         async with self._lock:
             self._check_open()
             if name not in self._workers:
                 raise KeyError(name)
-            self._stop_reading(name)
+            worker = self._workers[name]
             self._forget(name)
+            if name in self._unsettled:
+                self._unsettled[name] = (worker, self._unsettled[name][1])
+                await self._settle(self._cleanup_timeout)
+
+    async def _settle(self, timeout: float) -> None:
+        """Retry the aborts that were never confirmed; release what gets confirmed."""
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + timeout
+            async with anyio.create_task_group() as tg:
+                for name, (worker, version) in list(self._unsettled.items()):
+                    tg.start_soon(self._settle_one, name, worker, version)
+
+    async def _settle_one(self, name: str, worker: Worker, version: int) -> None:
+        try:
+            await worker.abort_update(version)
+        except WorkerDiedError:
+            pass  # gone: reads nothing
+        except Exception as exc:
+            logger.info("worker %s still does not confirm abort of %s: %s", name, version, exc)
+            return
+        self._stop_reading(name)
 
     def _forget(self, name: str) -> None:
         for table in (
@@ -448,10 +479,13 @@ class RefitCoordinator:
             if infos[0].specs != self._infos[0].specs or len(infos) != len(self._infos):
                 self._infos = infos
                 await self._replan()
+            if self._unsettled:
+                await self._settle(_SETTLE_BEFORE_PUSH)
             if not self._slots.free():
                 raise AsyncRefitError(
-                    f"no staging slot is free: workers may still be reading them "
-                    f"({self._slots.quarantined()}); remove those workers first"
+                    "no staging slot is free: workers that never confirmed an abort may "
+                    f"still read them ({self._slots.quarantined()}); kill those workers "
+                    "(or wait for them) and try again"
                 )
             plan_seconds = time.perf_counter() - start
             account = _PushAccount(handle_bytes=dict.fromkeys(self._workers, 0))
@@ -588,6 +622,9 @@ class RefitCoordinator:
 
     async def _abort_one(self, name: str, version: int) -> None:
         worker = self._workers[name]
+        if self._slots.reads_any(name):
+            # Until it confirms (also if this call is cut off by the cleanup deadline).
+            self._unsettled[name] = (worker, version)
         try:
             await worker.abort_update(version)
         except WorkerDiedError:

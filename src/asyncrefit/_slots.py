@@ -66,6 +66,10 @@ class SlotTable:
         s.busy = False
         return not s.readers
 
+    def reads_any(self, worker: str) -> bool:
+        """Whether ``worker`` may be reading some slot."""
+        return any(worker in s.readers for s in self._slots)
+
     def worker_done(self, worker: str) -> list[int]:
         """``worker`` reads nothing any more (aborted, or gone): the slots freed by that."""
         freed = []

@@ -1,0 +1,157 @@
+"""The bad days: readers that outlive a timeout, trainers that fail, bad versions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+import torch
+
+from asyncrefit import (
+    AsyncRefitError,
+    Bucket,
+    LocalTrainer,
+    Plan,
+    PushError,
+    RefitCoordinator,
+    SourceInfo,
+    WorkerTimeoutError,
+    cpu_device,
+)
+from asyncrefit.transport import Handle, SharedMemoryExporter
+
+from .fakes import FakeWorker, Faults
+from .models import make_mlp
+
+KIB = 1024
+POISON = 0xFF  # bytes of NaN in every float dtype we use
+
+
+class PoisoningExporter(SharedMemoryExporter):
+    """Poisons a slot each time it is handed out for packing (that is, reused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packs: list[int] = []
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        buffer = super().buffer(slot)
+        buffer.fill_(POISON)
+        self.packs.append(slot)
+        return buffer
+
+
+def step(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen))
+
+
+async def test_a_slot_is_not_reused_while_a_timed_out_worker_may_still_read_it() -> None:
+    model = make_mlp()
+    exporter = PoisoningExporter()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    late = workers[1]
+    async with RefitCoordinator(
+        trainer=LocalTrainer(model, exporter=exporter),
+        workers=workers,
+        budget_bytes=128 * KIB,
+        bucket_bytes=8 * KIB,
+        timeout=0.3,
+        cleanup_timeout=0.3,
+    ) as refit:
+        assert refit.plan is not None and len(refit.plan.buckets) >= 3
+        await refit.push(1)
+
+        step(model, 2)
+        v2 = {n: p.detach().clone() for n, p in model.named_parameters()}
+        late.faults = Faults(read_late_at=0, read_late=1.5)
+        with pytest.raises(PushError) as info:
+            await refit.push(2)
+        assert isinstance(info.value.cause, WorkerTimeoutError) and info.value.failed == "w1"
+        (slot, readers), *_ = refit.quarantined_slots().items()
+        assert readers == {"w1"}
+
+        # Removing the worker does not free the slot it may still read.
+        await refit.remove_worker("w1")
+        assert refit.quarantined_slots() == {slot: frozenset({"w1"})}
+
+        # Pushes go on with the other slot only: the poisoned reuse never hits `slot`.
+        step(model, 3)
+        exporter.packs.clear()
+        await refit.push(3)
+        assert exporter.packs and slot not in exporter.packs
+        assert workers[0].equals(model)
+
+        # The late reader finishes: it read version 2's bytes, never poison or v3.
+        await anyio.to_thread.run_sync(late.reading.wait)
+        bucket0 = refit.plan.buckets[0]
+        for entry in bucket0.entries:
+            got = late.parameters[entry.name]
+            assert torch.equal(got.view(torch.uint8), v2[entry.name].view(torch.uint8)), entry
+
+        # Now it can confirm: the next push settles it and the slot comes back.
+        await refit.push(4)
+        assert not refit.quarantined_slots()
+        assert refit.statistics().in_use == 0
+
+
+class FailingSource:
+    """A trainer source that dies while exporting bucket ``at`` (a trainer crash)."""
+
+    def __init__(self, inner: LocalTrainer, at: int) -> None:
+        self.inner, self.at, self.armed = inner, at, False
+
+    async def describe(self) -> SourceInfo:
+        return await self.inner.describe()
+
+    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None:
+        await self.inner.prepare(plan, slots, slot_bytes)
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[object]
+    ) -> tuple[Handle, ...]:
+        if self.armed and bucket.index == self.at:
+            raise ConnectionResetError("trainer shard lost")
+        return await self.inner.export(bucket, slot, devices)  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_trainer_dying_mid_push_aborts_every_worker() -> None:
+    model = make_mlp()
+    source = FailingSource(LocalTrainer(model), at=2)
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    async with RefitCoordinator(trainer=source, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        source.armed = True
+        step(model, 2)
+        with pytest.raises(PushError) as info:
+            await refit.push(2)
+        err = info.value
+        assert isinstance(err.cause, ConnectionResetError) and err.failed is None
+        assert set(err.incomplete) == {"w0", "w1"}
+        for w in workers:
+            assert ("abort", 2) in w.calls
+            assert await w.weight_version() is None  # buckets 0-1 of v2 were written
+        assert refit.statistics().in_use == 0 and not refit.quarantined_slots()
+        source.armed = False
+        await refit.push(3)
+        assert all(w.equals(model) for w in workers)
+
+
+async def test_no_free_slot_is_a_clear_error_not_a_hang() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like("w0", cpu_device(0), model)]
+    workers[0].faults = Faults(hang_at_bucket=0)
+    async with RefitCoordinator(
+        trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=0.2, cleanup_timeout=0.2
+    ) as refit:
+        with pytest.raises(PushError):
+            await refit.push(1)
+        # its only slot is quarantined: the next push says so at once
+        with anyio.fail_after(5), pytest.raises(AsyncRefitError, match="no staging slot"):
+            await refit.push(2)
