@@ -17,7 +17,7 @@ import torch
 
 from asyncrefit import BucketAck, DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
 from asyncrefit._messages import LoadBucket, encoded_size
-from asyncrefit.transport import Handle
+from asyncrefit.transport import Handle, Importer
 
 
 @dataclass
@@ -49,9 +49,10 @@ class FakeWorker:
     device_queries: int = 0
     dead: bool = False
     hung: bool = False
+    importers: dict[str, Importer] | None = None
 
     def __post_init__(self) -> None:
-        self.receiver = ParameterReceiver(self.parameters, self.device)
+        self.receiver = ParameterReceiver(self.parameters, self.device, importers=self.importers)
         self.reading = threading.Event()  # set while no late reader runs
         self.reading.set()
 

@@ -107,8 +107,10 @@ class FailingSource:
     async def describe(self) -> SourceInfo:
         return await self.inner.describe()
 
-    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None:
-        await self.inner.prepare(plan, slots, slot_bytes)
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
+        await self.inner.prepare(plan, slots, slot_bytes, checksum=checksum)
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[object]

@@ -5,6 +5,7 @@ The public API is re-exported here; everything in underscored modules is private
 
 from ._budget import BudgetStatistics as BudgetStatistics
 from ._budget import ByteBudget as ByteBudget
+from ._checksum import checksum as checksum
 from ._coordinator import RefitCoordinator as RefitCoordinator
 from ._device import DeviceId as DeviceId
 from ._device import cpu_device as cpu_device
@@ -15,6 +16,7 @@ from ._exceptions import CapacityExceededError as CapacityExceededError
 from ._exceptions import ClosedError as ClosedError
 from ._exceptions import DiscoveryError as DiscoveryError
 from ._exceptions import DuplicateWorkerError as DuplicateWorkerError
+from ._exceptions import IntegrityError as IntegrityError
 from ._exceptions import ParameterMismatchError as ParameterMismatchError
 from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
@@ -23,6 +25,7 @@ from ._exceptions import UnknownDeviceError as UnknownDeviceError
 from ._exceptions import VersionError as VersionError
 from ._exceptions import WorkerDiedError as WorkerDiedError
 from ._exceptions import WorkerError as WorkerError
+from ._exceptions import WorkerIntegrityError as WorkerIntegrityError
 from ._exceptions import WorkerRemoteError as WorkerRemoteError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._messages import BucketAck as BucketAck
@@ -56,6 +59,7 @@ __all__ = (
     "DeviceId",
     "DiscoveryError",
     "DuplicateWorkerError",
+    "IntegrityError",
     "LocalTrainer",
     "ParamSpec",
     "ParameterMismatchError",
@@ -77,8 +81,10 @@ __all__ = (
     "Worker",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerIntegrityError",
     "WorkerRemoteError",
     "WorkerTimeoutError",
+    "checksum",
     "cpu_device",
     "local_node_id",
     "plan_buckets",

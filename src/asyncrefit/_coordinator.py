@@ -20,6 +20,7 @@ from ._exceptions import (
     DuplicateWorkerError,
     PlanError,
     PushError,
+    TransportError,
     UnknownDeviceError,
     VersionError,
     WorkerDiedError,
@@ -27,6 +28,7 @@ from ._exceptions import (
     WorkerRemoteError,
     WorkerTimeoutError,
     primary_error,
+    remote_error,
 )
 from ._messages import LoadBucket, encoded_size
 from ._plan import DEFAULT_ALIGNMENT, ParamSpec, Plan, plan_buckets, validate_worker
@@ -71,6 +73,10 @@ class RefitCoordinator:
     :class:`LocalTrainer` over shared memory. ``workers`` are :class:`Worker` objects
     with distinct names.
 
+    ``verify=True`` has the trainer checksum every bucket (CRC-32) and every worker
+    re-check its copy against it; a mismatch fails the push with
+    :class:`WorkerIntegrityError` as its cause.
+
     ``budget_bytes`` bounds the staging memory of each trainer source: buckets in
     flight times the slot size never exceed it. ``bucket_bytes`` (default: half the
     budget, so two buckets alternate) bounds a bucket; a tensor larger than that gets a
@@ -103,6 +109,7 @@ class RefitCoordinator:
         timeout: float | None = 60.0,
         cleanup_timeout: float = 10.0,
         broadcast_all_handles: bool = False,
+        verify: bool = False,
     ) -> None:
         if budget_bytes <= 0:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -117,6 +124,7 @@ class RefitCoordinator:
         self._timeout = timeout
         self._cleanup_timeout = cleanup_timeout
         self._broadcast_all = broadcast_all_handles
+        self._verify = verify
 
         self._devices: dict[str, DeviceId] = {}
         self._worker_specs: dict[str, tuple[ParamSpec, ...]] = {}
@@ -256,10 +264,10 @@ class RefitCoordinator:
         except WorkerDiedError:
             self._stop_reading(name)
             raise
-        except AsyncRefitError:
+        except WorkerError:
             raise
-        except Exception as exc:
-            raise WorkerRemoteError(name, type(exc).__name__, str(exc)) from exc
+        except Exception as exc:  # raised by an in-process worker: attribute it to it
+            raise remote_error(name, type(exc).__name__, str(exc)) from exc
 
     def _stop_reading(self, name: str) -> None:
         """``name`` reads no slot any more (it confirmed an abort, or it is dead)."""
@@ -359,11 +367,18 @@ class RefitCoordinator:
         slots = max(1, min(self._budget_bytes // slot_bytes, len(plan.buckets)))
         async with anyio.create_task_group() as tg:
             for i in self._used_sources():
-                tg.start_soon(self._sources[i].prepare, plan, slots, slot_bytes)
+                tg.start_soon(self._prepare_source, i, plan, slots, slot_bytes)
         self._plan = plan
         self._slot_bytes = slot_bytes
         self._slots = SlotTable(slots)
         self._budget = ByteBudget(slots * slot_bytes)
+
+    async def _prepare_source(self, i: int, plan: Plan, slots: int, slot_bytes: int) -> None:
+        source = self._sources[i]
+        if self._verify:
+            await source.prepare(plan, slots, slot_bytes, checksum=True)
+        else:
+            await source.prepare(plan, slots, slot_bytes)
 
     def _used_sources(self) -> list[int]:
         return sorted(set(self._source_of.values())) if self._source_of else [0]
@@ -387,8 +402,8 @@ class RefitCoordinator:
                 validate_worker(self._plan.specs, worker.name, self._worker_specs[worker.name])
                 source = self._source_of[worker.name]
                 if source not in prepared:
-                    await self._sources[source].prepare(
-                        self._plan, len(self._slots), self._slot_bytes
+                    await self._prepare_source(
+                        source, self._plan, len(self._slots), self._slot_bytes
                     )
             except BaseException:
                 self._forget(worker.name)
@@ -407,16 +422,14 @@ class RefitCoordinator:
             self._check_open()
             if name not in self._workers:
                 raise KeyError(name)
-            worker = self._workers[name]
             self._forget(name)
             if name in self._unsettled:
-                self._unsettled[name] = (worker, self._unsettled[name][1])
                 await self._settle(self._cleanup_timeout)
 
-    async def _settle(self, timeout: float) -> None:
+    async def _settle(self, within: float) -> None:
         """Retry the aborts that were never confirmed; release what gets confirmed."""
         with anyio.CancelScope(shield=True) as scope:
-            scope.deadline = anyio.current_time() + timeout
+            scope.deadline = anyio.current_time() + within
             async with anyio.create_task_group() as tg:
                 for name, (worker, version) in list(self._unsettled.items()):
                     tg.start_soon(self._settle_one, name, worker, version)
@@ -575,6 +588,11 @@ class RefitCoordinator:
             async def export(source: int) -> None:
                 devices = self._devices_to_export(source)
                 exported = await self._sources[source].export(bucket, slot, devices)
+                if self._verify and any(h.checksum is None for h in exported):
+                    raise TransportError(
+                        f"trainer source {self._infos[source].name!r} sent bucket "
+                        f"{bucket.index} without a checksum, but verify=True"
+                    )
                 handles.update(zip(devices, exported, strict=True))
 
             async with anyio.create_task_group() as tg:

@@ -123,6 +123,32 @@ class WorkerRemoteError(WorkerError):
         super().__init__(worker, f"{remote_type}: {message}")
 
 
+class WorkerIntegrityError(WorkerRemoteError):
+    """A worker's copy of a bucket did not match the trainer's checksum."""
+
+
+#: Remote error types that map to a more specific local class.
+_REMOTE_TYPES: dict[str, type[WorkerRemoteError]] = {"IntegrityError": WorkerIntegrityError}
+
+
+def remote_error(worker: str, remote_type: str, message: str) -> WorkerRemoteError:
+    """The typed error for a failure a worker reported (``remote_type``: its class name)."""
+    return _REMOTE_TYPES.get(remote_type, WorkerRemoteError)(worker, remote_type, message)
+
+
+class IntegrityError(AsyncRefitError):
+    """Bytes copied out of a bucket differ from what the trainer packed."""
+
+    def __init__(self, bucket: int, expected: int, got: int) -> None:
+        self.bucket = bucket
+        self.expected = expected
+        self.got = got
+        super().__init__(
+            f"bucket {bucket}: checksum {got:#010x} after the copy, "
+            f"{expected:#010x} from the trainer"
+        )
+
+
 class TransportError(AsyncRefitError):
     """A transport could not create, export or open a buffer."""
 

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from ._checksum import checksum
 from ._device import DeviceId
-from ._exceptions import AsyncRefitError, TransportError
+from ._exceptions import AsyncRefitError, IntegrityError, TransportError
 from ._messages import BucketAck
 from ._plan import ParamSpec
 from .transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
@@ -111,7 +112,8 @@ class ParameterReceiver:
 
     Error handling: a bucket whose entries do not match this worker's parameters (name,
     shape, dtype), or without a handle for this worker's device, raises before any of
-    its bytes are written.
+    its bytes are written. A handle with a ``checksum`` is verified after the copy: a
+    mismatch raises :class:`IntegrityError` (the version stays incomplete).
     """
 
     def __init__(
@@ -188,6 +190,10 @@ class ParameterReceiver:
             importer.finish(handle)
         finally:
             del buffer  # drop every view before the ack
+        if handle.checksum is not None:
+            got = checksum(self._params[e.name] for e in handle.entries)
+            if got != handle.checksum:
+                raise IntegrityError(bucket, handle.checksum, got)
         return BucketAck(
             bucket=bucket,
             nbytes=sum(e.nbytes for e in handle.entries),

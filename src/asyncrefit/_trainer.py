@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
+from ._checksum import checksum
 from ._device import DeviceId, local_node_id
 from ._exceptions import ClosedError, PlanError, TransportError
 from ._plan import ParamSpec
@@ -122,6 +124,7 @@ class LocalTrainer(_InProcessSource):
             exporter = SharedMemoryExporter()
         self._exporter = exporter
         self._prepared = False
+        self._checksum = False
 
     def __repr__(self) -> str:
         return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
@@ -130,31 +133,38 @@ class LocalTrainer(_InProcessSource):
     def exporter(self) -> Exporter:
         return self._exporter
 
-    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None:
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
         await anyio.to_thread.run_sync(
             self._exporter.allocate, slots, slot_bytes, limiter=self._limiter
         )
+        self._checksum = checksum
         self._prepared = True
 
-    def _pack(self, bucket: Bucket, slot: int) -> None:
+    def _pack(self, bucket: Bucket, slot: int) -> int | None:
         import torch
 
         tensors = self._tensors()
         buffer = self._exporter.buffer(slot)
+        packed = []
         with torch.no_grad():
             for e in bucket.entries:
                 tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
-                dst = buffer[e.offset : e.offset + e.nbytes]
-                dst.view(torch_dtype(e.dtype)).view(e.shape).copy_(tensor)
+                dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
+                dst.view(e.shape).copy_(tensor)
+                packed.append(dst)
         self._exporter.seal(slot)
+        # Over the packed bytes, not the source: what the workers will read.
+        return checksum(packed) if self._checksum else None
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
     ) -> tuple[Handle, ...]:
         if not self._prepared:
             raise ClosedError(f"trainer source {self._name!r} has no buffers (not prepared)")
-        await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
-        return tuple(self._exporter.handle(slot, bucket, d) for d in devices)
+        crc = await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
+        return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
 
     async def aclose(self) -> None:
         self._prepared = False
@@ -196,6 +206,7 @@ class SharedParameterTrainer(_InProcessSource):
         self._segments: dict[int, _Segment] = {}
         self._addresses: dict[str, int] = {}
         self._fingerprint: str | None = None
+        self._checksum = False
         self.relocated = 0  # parameters copied back into place after being replaced
 
     def __repr__(self) -> str:
@@ -204,8 +215,11 @@ class SharedParameterTrainer(_InProcessSource):
             f"<SharedParameterTrainer {self._name!r} segments={len(self._segments)} bytes={size}>"
         )
 
-    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None:
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
         await anyio.to_thread.run_sync(self._layout, plan, limiter=self._limiter)
+        self._checksum = checksum
 
     def _layout(self, plan: Plan) -> None:
         import torch
@@ -253,7 +267,7 @@ class SharedParameterTrainer(_InProcessSource):
         tensor.data = view
         self._addresses[name] = view.data_ptr()
 
-    def _refresh(self, bucket: Bucket) -> None:
+    def _refresh(self, bucket: Bucket) -> int | None:
         import torch
 
         tensors = self._tensors()
@@ -265,6 +279,9 @@ class SharedParameterTrainer(_InProcessSource):
                 if e.nbytes and tensor.data_ptr() != self._addresses.get(e.name):
                     self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
                     self.relocated += 1
+        if not self._checksum:
+            return None
+        return checksum(base[e.offset : e.offset + e.nbytes] for e in bucket.entries)
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
@@ -273,7 +290,7 @@ class SharedParameterTrainer(_InProcessSource):
 
         if bucket.index not in self._segments:
             raise ClosedError(f"trainer source {self._name!r} has no segments (not prepared)")
-        await anyio.to_thread.run_sync(self._refresh, bucket, limiter=self._limiter)
+        crc = await anyio.to_thread.run_sync(self._refresh, bucket, limiter=self._limiter)
         segment = self._segments[bucket.index].name
         handles: tuple[ShmHandle, ...] = tuple(
             ShmHandle(
@@ -282,6 +299,7 @@ class SharedParameterTrainer(_InProcessSource):
                 nbytes=bucket.nbytes,
                 entries=bucket.entries,
                 segment=segment,
+                checksum=crc,
             )
             for d in devices
         )

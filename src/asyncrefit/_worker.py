@@ -71,15 +71,19 @@ class SourceInfo:
 class TrainerSource(Protocol):
     """The trainer side: holds the parameters and exports packed buckets.
 
-    ``prepare`` allocates ``slots`` reusable buffers of ``slot_bytes``; ``export``
-    packs ``bucket`` into ``slot`` and returns one handle per device asked for, with
-    the packed bytes visible to consumers by the time it returns. ``aclose`` frees
-    every buffer and may be called more than once.
+    ``prepare`` allocates ``slots`` reusable buffers of ``slot_bytes``; with
+    ``checksum=True`` (passed only when the coordinator verifies) every handle must
+    carry the bucket's :func:`~asyncrefit.checksum`. ``export`` packs ``bucket`` into
+    ``slot`` and returns one handle per device asked for, with the packed bytes visible
+    to consumers by the time it returns. ``aclose`` frees every buffer and may be
+    called more than once.
     """
 
     async def describe(self) -> SourceInfo: ...
 
-    async def prepare(self, plan: Plan, slots: int, slot_bytes: int) -> None: ...
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None: ...
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]

@@ -14,7 +14,13 @@ import anyio
 from anyio.abc import SocketStream
 
 from .._device import DeviceId, cpu_device
-from .._exceptions import WorkerDiedError, WorkerRemoteError, WorkerTimeoutError, primary_error
+from .._exceptions import (
+    WorkerDiedError,
+    WorkerRemoteError,
+    WorkerTimeoutError,
+    primary_error,
+    remote_error,
+)
 from .._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -135,7 +141,7 @@ class LocalWorker:
                 assert self._dead is not None
                 raise WorkerDiedError(self._name, self._dead) from None
         if isinstance(reply, ErrorReply):
-            raise WorkerRemoteError(self._name, reply.type, reply.message)
+            raise remote_error(self._name, reply.type, reply.message)
         return reply
 
     async def _expect(self, request: Request, kind: type[R]) -> R:

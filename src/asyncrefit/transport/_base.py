@@ -20,6 +20,8 @@ class Handle:
 
     Subclasses add what their transport needs to open the buffer (a shared-memory
     segment's name, a CUDA IPC handle). A handle never carries tensor data.
+    ``checksum``, when set (``verify=True``), is the CRC-32 of the entries' bytes in
+    order (see :func:`asyncrefit.checksum`); the worker recomputes it over its copy.
     """
 
     kind: ClassVar[str] = "abstract"
@@ -27,6 +29,7 @@ class Handle:
     bucket: int
     nbytes: int
     entries: tuple[TensorEntry, ...]
+    checksum: int | None = None
 
 
 class Exporter(Protocol):
