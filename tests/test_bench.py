@@ -50,7 +50,14 @@ async def test_run_bench_measures_every_variant() -> None:
     datetime.datetime.fromisoformat(result["date"])
 
     variants = {v["key"]: v for v in result["variants"]}
-    assert set(variants) == {"asyncrefit", "filtered_8_devices", "broadcast_all", "one_in_flight"}
+    assert set(variants) == {
+        "asyncrefit",
+        "filtered_8_devices",
+        "broadcast_all",
+        "one_in_flight",
+        "zero_copy",
+    }
+    assert result["refit_zero_copy_gbps"] > 0 and result["ratio_to_memcpy_zero_copy"] > 0
     assert all(v["verified"] for v in variants.values())
     assert variants["asyncrefit"]["slots"] == 2 and variants["one_in_flight"]["slots"] == 1
     assert variants["asyncrefit"]["buckets"] >= 4
