@@ -79,8 +79,8 @@ class RefitCoordinator:
 
     ``budget_bytes`` bounds the staging memory of each trainer source: buckets in
     flight times the slot size never exceed it. ``bucket_bytes`` (default: half the
-    budget, so two buckets alternate) bounds a bucket; a tensor larger than that gets a
-    bucket of its own, and the budget must still hold it.
+    budget, so two buckets alternate; never more than the budget) bounds a bucket; a
+    tensor larger than that gets a bucket of its own, and the budget must still hold it.
 
     Entering the context discovers every worker's device (awaiting its
     ``report_device_id_async``, which runs on that worker's own loop), plans the
@@ -119,7 +119,10 @@ class RefitCoordinator:
             self._check_new_worker(worker)
             self._workers[worker.name] = worker
         self._budget_bytes = budget_bytes
-        self._bucket_bytes = bucket_bytes if bucket_bytes is not None else max(1, budget_bytes // 2)
+        # A bucket larger than the budget could never be staged: clamp it.
+        self._bucket_bytes = min(
+            budget_bytes, bucket_bytes if bucket_bytes is not None else max(1, budget_bytes // 2)
+        )
         self._alignment = alignment
         self._timeout = timeout
         self._cleanup_timeout = cleanup_timeout
