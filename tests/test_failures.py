@@ -16,9 +16,12 @@ from asyncrefit import (
     PushError,
     RefitCoordinator,
     SourceInfo,
+    WorkerDiedError,
     WorkerTimeoutError,
     cpu_device,
 )
+from asyncrefit._receiver import tensor_digest
+from asyncrefit.local import WorkerFaults, spawn_local_workers
 from asyncrefit.transport import Handle, SharedMemoryExporter
 
 from .fakes import FakeWorker, Faults
@@ -157,3 +160,32 @@ async def test_no_free_slot_is_a_clear_error_not_a_hang() -> None:
         # its only slot is quarantined: the next push says so at once
         with anyio.fail_after(5), pytest.raises(AsyncRefitError, match="no staging slot"):
             await refit.push(2)
+
+
+async def test_sigkill_mid_copy_is_reported_fast_and_a_replacement_joins() -> None:
+    model = make_mlp()
+    faults = {"worker-1": WorkerFaults(kill_at_bucket=1)}
+    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+        async with RefitCoordinator(
+            trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=30
+        ) as refit:
+            started = anyio.current_time()
+            with pytest.raises(PushError) as info:
+                await refit.push(1)
+            # far sooner than the 30 s timeout: the closed socket says it at once
+            assert anyio.current_time() - started < 10
+            assert isinstance(info.value.cause, WorkerDiedError)
+            assert info.value.failed == "worker-1"
+            assert refit.statistics().in_use == 0 and not refit.quarantined_slots()
+            await refit.remove_worker("worker-1")
+            async with spawn_local_workers(
+                make_mlp, 1, names=["replacement"], devices=["cpu:1"]
+            ) as (replacement,):
+                await refit.add_worker(replacement)
+                step(model, 2)
+                await refit.push(2)
+                want = {n: tensor_digest(p) for n, p in model.named_parameters()}
+                for w in (workers[0], replacement):
+                    assert await w.weight_version() == 2
+                    assert await w.parameter_digests() == want
+                await refit.remove_worker("replacement")

@@ -10,11 +10,14 @@ class WorkerFaults:
     """Faults a local worker process injects into itself.
 
     ``crash_at_bucket``: the process exits abruptly (``os._exit``) when asked to load
-    that bucket, before copying any of it. ``hang_at_bucket``: the worker never
-    answers the load of that bucket (nor anything after it). ``load_delay``: seconds
-    to sleep before every bucket's copy (to widen windows in tests).
+    that bucket, before copying any of it. ``kill_at_bucket``: the process sends
+    itself SIGKILL half-way through copying that bucket (after its first tensor).
+    ``hang_at_bucket``: the worker never answers the load of that bucket (nor anything
+    after it). ``load_delay``: seconds to sleep before every bucket's copy (to widen
+    windows in tests).
     """
 
     crash_at_bucket: int | None = None
+    kill_at_bucket: int | None = None
     hang_at_bucket: int | None = None
     load_delay: float = 0.0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -97,6 +99,8 @@ class WorkerServer:
             await anyio.sleep_forever()
         if self._faults.load_delay:
             await anyio.sleep(self._faults.load_delay)
+        if self._faults.kill_at_bucket == request.bucket:
+            return await anyio.to_thread.run_sync(self._killed_mid_copy, request)
         return await anyio.to_thread.run_sync(
             self._receiver.load,
             request.version,
@@ -104,6 +108,14 @@ class WorkerServer:
             request.handles,
             limiter=self._limiter,
         )
+
+    def _killed_mid_copy(self, request: LoadBucket) -> Reply:
+        """Copy the bucket's first tensor, then die by SIGKILL (fault injection)."""
+        first = request.handles[0]
+        partial = replace(first, entries=first.entries[:1])
+        self._receiver.load(request.version, request.bucket, (partial,))
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
 
     def _forward(self, inputs: Any) -> Any:
         import torch
