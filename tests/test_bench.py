@@ -56,6 +56,7 @@ async def test_run_bench_measures_every_variant() -> None:
         "broadcast_all",
         "one_in_flight",
         "zero_copy",
+        "verify",
     }
     assert result["refit_zero_copy_gbps"] > 0 and result["ratio_to_memcpy_zero_copy"] > 0
     assert all(v["verified"] for v in variants.values())

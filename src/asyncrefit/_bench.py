@@ -307,6 +307,7 @@ class Variant:
     broadcast_all: bool
     one_in_flight: bool
     zero_copy: bool = False  # SharedParameterTrainer: the parameters are the buffers
+    verify: bool = False  # checksum every bucket on both sides
 
 
 VARIANTS = (
@@ -337,6 +338,14 @@ VARIANTS = (
         exported_devices=None,
         broadcast_all=False,
         one_in_flight=True,
+    ),
+    Variant(
+        key="verify",
+        label="asyncrefit, verify=True",
+        exported_devices=None,
+        broadcast_all=False,
+        one_in_flight=False,
+        verify=True,
     ),
     # Last: it moves the module's parameters into shared memory for good.
     Variant(
@@ -441,6 +450,7 @@ async def _run_variant(
         budget_bytes=budget,
         bucket_bytes=bucket_bytes,
         broadcast_all_handles=variant.broadcast_all,
+        verify=variant.verify,
     ) as refit:
         await refit.push(version=1)  # warm-up: maps the slots, faults the workers' pages
         for r in range(repeats):
@@ -585,7 +595,7 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
             )
 
     main, a, b = results["asyncrefit"], results["broadcast_all"], results["one_in_flight"]
-    zero = results["zero_copy"]
+    zero, verified = results["zero_copy"], results["verify"]
     return {
         "date": date,
         "machine": machine,
@@ -607,6 +617,8 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
         "refit_zero_copy_gbps": zero.gbps,
         "refit_zero_copy_seconds": zero.seconds,
         "ratio_to_memcpy_zero_copy": zero.ratio_to_memcpy,
+        "verify_gbps": verified.gbps,
+        "verify_cost": verified.seconds / main.seconds - 1,
         "buckets": main.buckets,
         "stages": main.stages,
         "filtered_8_devices": {
@@ -680,6 +692,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"({a['handle_bytes_per_worker'] / filtered:.2f}x: pickle writes the shared layout "
         f"once), {a['handle_bytes_per_worker_independent']:,} with each device's handle "
         f"serialized on its own ({a['handle_bytes_per_worker_independent'] / filtered:.2f}x)",
+        f"verify=True costs {result['verify_cost']:+.0%} push time (CRC-32 on both sides)",
         f"target asyncrefit >= 40% of memcpy: {result['ratio_to_memcpy']:.0%} with staging "
         f"slots (pack + 2 loads: 3 copies), {result['ratio_to_memcpy_zero_copy']:.0%} with the "
         f"zero-copy trainer (2 copies)",
