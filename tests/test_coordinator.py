@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrefit import (
+    Bucket,
     BudgetTooSmallError,
     DeviceId,
     DuplicateWorkerError,
@@ -14,6 +15,8 @@ from asyncrefit import (
     ParameterMismatchError,
     PushError,
     RefitCoordinator,
+    SourceInfo,
+    TransmittingSource,
     UnknownDeviceError,
     VersionError,
     WorkerDiedError,
@@ -354,3 +357,37 @@ def test_repr_shows_state() -> None:
     model = make_mlp()
     refit = RefitCoordinator(trainer=model, workers=fakes(model, 1), budget_bytes=64 * KIB)
     assert "new" in repr(refit) and "workers=1" in repr(refit)
+
+
+class TransmittingTrainer(LocalTrainer):
+    """A source that also transmits each bucket while the workers load it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.transmitted: list[int] = []
+
+    async def transmit(self, bucket: Bucket, slot: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.transmitted.append(bucket.index)
+
+
+async def test_transmitting_source_acts_once_per_bucket_and_bytes_per_transport() -> None:
+    model = make_mlp()
+    trainer = TransmittingTrainer(model)
+    assert isinstance(trainer, TransmittingSource)
+    assert not isinstance(LocalTrainer(model), TransmittingSource)
+    workers = fakes(model, 2)
+    async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=64 * KIB) as refit:
+        report = await refit.push(1)
+        assert refit.plan is not None
+        assert sorted(trainer.transmitted) == list(range(len(refit.plan.buckets)))
+    assert report.bytes_per_transport == {"shm": 2 * report.bytes}
+
+
+def test_a_source_may_serve_remote_devices() -> None:
+    remote = DeviceId(node="elsewhere", device="gpu-7")
+    info = SourceInfo(name="t", node="here", devices=None, specs=(), remote=frozenset({remote}))
+    assert info.serves(remote) and info.serves(DeviceId(node="here", device="x"))
+    assert not info.serves(DeviceId(node="elsewhere", device="gpu-6"))
+    anywhere = SourceInfo(name="t", node="here", devices=frozenset(), specs=(), remote=None)
+    assert anywhere.serves(remote)

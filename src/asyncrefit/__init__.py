@@ -43,6 +43,7 @@ from ._trainer import LocalTrainer as LocalTrainer
 from ._trainer import SharedParameterTrainer as SharedParameterTrainer
 from ._worker import SourceInfo as SourceInfo
 from ._worker import TrainerSource as TrainerSource
+from ._worker import TransmittingSource as TransmittingSource
 from ._worker import Worker as Worker
 
 __version__ = "0.1.0"
@@ -74,6 +75,7 @@ __all__ = (
     "StageTimes",
     "TensorEntry",
     "TrainerSource",
+    "TransmittingSource",
     "TransportError",
     "UnknownDeviceError",
     "VersionError",

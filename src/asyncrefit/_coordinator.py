@@ -35,7 +35,7 @@ from ._plan import DEFAULT_ALIGNMENT, ParamSpec, Plan, plan_buckets, validate_wo
 from ._report import RefitReport, StageTimes
 from ._slots import SlotTable
 from ._trainer import LocalTrainer
-from ._worker import SourceInfo, TrainerSource, Worker
+from ._worker import SourceInfo, TrainerSource, TransmittingSource, Worker
 from .transport._base import Handle
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class _PushAccount:
     load: float = 0.0
     commit: float = 0.0
     handle_bytes: dict[str, int] = field(default_factory=dict)
+    transport_bytes: dict[str, int] = field(default_factory=dict)
     touched: set[str] = field(default_factory=set)
     committed: set[str] = field(default_factory=set)
 
@@ -532,6 +533,7 @@ class RefitCoordinator:
                 ),
                 workers=tuple(self._workers),
                 handle_bytes_per_worker=account.handle_bytes,
+                bytes_per_transport=account.transport_bytes,
                 slots=len(self._slots),
                 slot_bytes=self._slot_bytes,
                 peak_budget_bytes=self.statistics().peak,
@@ -606,10 +608,18 @@ class RefitCoordinator:
             t = time.perf_counter()
             every = tuple(handles[d] for d in sorted(handles))
             async with anyio.create_task_group() as tg:
+                for source in self._used_sources():
+                    src = self._sources[source]
+                    if isinstance(src, TransmittingSource):
+                        tg.start_soon(src.transmit, bucket, slot)
                 for name, device in self._devices.items():
                     mine = every if self._broadcast_all else (handles[device],)
                     account.handle_bytes[name] += encoded_size(
                         LoadBucket(version=version, bucket=bucket.index, handles=mine)
+                    )
+                    kind = handles[device].kind
+                    account.transport_bytes[kind] = (
+                        account.transport_bytes.get(kind, 0) + bucket.payload_bytes
                     )
                     self._slots.reading(slot, name)
                     tg.start_soon(self._load_one, name, version, bucket.index, mine, slot)

@@ -31,7 +31,8 @@ class RefitReport:
     ``bytes`` counts tensor payload (without padding) sent once; each worker received
     all of it. ``handle_bytes_per_worker`` counts the serialized bytes of the handles
     each worker was sent: with filtered dispatch it does not grow with the number of
-    workers or devices.
+    workers or devices. ``bytes_per_transport`` counts payload delivered per transport
+    kind (``"shm"``, ``"cuda_ipc"``, ...), summed over workers.
     """
 
     version: int
@@ -41,6 +42,7 @@ class RefitReport:
     stages: StageTimes
     workers: tuple[str, ...]
     handle_bytes_per_worker: dict[str, int]
+    bytes_per_transport: dict[str, int]
     slots: int
     slot_bytes: int
     peak_budget_bytes: int

@@ -55,15 +55,21 @@ class SourceInfo:
     """What a trainer source holds and which devices it can serve.
 
     ``devices`` is ``None`` when the source serves every device on its node (shared
-    memory), or the device names it serves (a GPU's UUID for CUDA IPC).
+    memory), or the device names it serves (a GPU's UUID for CUDA IPC). ``remote``
+    names devices anywhere that the source reaches without sharing memory (by a
+    collective), or is ``None`` for any device at all; the coordinator routes each
+    worker to the first source that serves its device, so list sharing sources first.
     """
 
     name: str
     node: str
     devices: frozenset[str] | None
     specs: tuple[ParamSpec, ...]
+    remote: frozenset[DeviceId] | None = frozenset()
 
     def serves(self, device: DeviceId) -> bool:
+        if self.remote is None or device in self.remote:
+            return True
         return device.node == self.node and (self.devices is None or device.device in self.devices)
 
 
@@ -90,3 +96,15 @@ class TrainerSource(Protocol):
     ) -> tuple[Handle, ...]: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class TransmittingSource(TrainerSource, Protocol):
+    """A source that must act while its workers load a bucket (a collective's root).
+
+    The coordinator awaits ``transmit(bucket, slot)`` concurrently with the workers'
+    ``load_bucket`` calls for that bucket, in the same task group: if either side fails,
+    the other is cancelled, and the bucket's slot is released only after both ended.
+    """
+
+    async def transmit(self, bucket: Bucket, slot: int) -> None: ...
