@@ -16,6 +16,7 @@ from asyncrefit import (
     PushError,
     RefitCoordinator,
     SourceInfo,
+    TransportError,
     WorkerDiedError,
     WorkerTimeoutError,
     cpu_device,
@@ -189,3 +190,23 @@ async def test_sigkill_mid_copy_is_reported_fast_and_a_replacement_joins() -> No
                     assert await w.weight_version() == 2
                     assert await w.parameter_digests() == want
                 await refit.remove_worker("replacement")
+
+
+class RefusingSource(LocalTrainer):
+    """A source that cannot allocate its buffers."""
+
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
+        raise TransportError("/dev/shm is full")
+
+
+async def test_a_source_failing_at_entry_raises_its_own_typed_error() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like("w0", cpu_device(0), model)]
+    with pytest.raises(TransportError, match="full"):  # one error, not an exception group
+        async with RefitCoordinator(
+            trainer=RefusingSource(model), workers=workers, budget_bytes=64 * KIB
+        ):
+            pytest.fail("entered")
+    assert workers[0].calls == []

@@ -27,6 +27,7 @@ from ._exceptions import (
     WorkerError,
     WorkerRemoteError,
     WorkerTimeoutError,
+    one_error,
     primary_error,
     remote_error,
 )
@@ -292,9 +293,10 @@ class RefitCoordinator:
         async def one(i: int) -> None:
             infos[i] = await self._sources[i].describe()
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(self._sources)):
-                tg.start_soon(one, i)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for i in range(len(self._sources)):
+                    tg.start_soon(one, i)
         return [i for i in infos if i is not None]
 
     async def _discover(self, names: Sequence[str]) -> None:
@@ -312,15 +314,10 @@ class RefitCoordinator:
             specs = await self._call(name, "parameter_specs", worker.parameter_specs)
             found[name] = (device, tuple(specs))
 
-        try:
+        with one_error():
             async with anyio.create_task_group() as tg:
                 for name in names:
                     tg.start_soon(one, name)
-        except BaseExceptionGroup as group:
-            primary = primary_error(group)
-            if primary is None:
-                raise
-            raise primary from None
         for name in names:
             device, specs = found[name]
             self._source_of[name] = self._route(name, device)
@@ -369,9 +366,10 @@ class RefitCoordinator:
                 f"{self._slots.quarantined()}; remove those workers first"
             )
         slots = max(1, min(self._budget_bytes // slot_bytes, len(plan.buckets)))
-        async with anyio.create_task_group() as tg:
-            for i in self._used_sources():
-                tg.start_soon(self._prepare_source, i, plan, slots, slot_bytes)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for i in self._used_sources():
+                    tg.start_soon(self._prepare_source, i, plan, slots, slot_bytes)
         self._plan = plan
         self._slot_bytes = slot_bytes
         self._slots = SlotTable(slots)

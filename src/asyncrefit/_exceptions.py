@@ -7,7 +7,8 @@ the error programmatically and the message always says *what* and *where*.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import anyio
 
@@ -206,3 +207,18 @@ def primary_error(exc: BaseException) -> BaseException | None:
             if isinstance(leaf, kind):
                 return leaf
     return None
+
+
+@contextmanager
+def one_error() -> Iterator[None]:
+    """Let a failed task group raise the one error it stands for, not an exception group.
+
+    A group of only cancellations propagates unchanged.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        primary = primary_error(group)
+        if primary is None:
+            raise
+        raise primary from None

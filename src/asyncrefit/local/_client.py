@@ -18,7 +18,7 @@ from .._exceptions import (
     WorkerDiedError,
     WorkerRemoteError,
     WorkerTimeoutError,
-    primary_error,
+    one_error,
     remote_error,
 )
 from .._messages import (
@@ -321,15 +321,10 @@ async def spawn_local_workers(
         )
 
     try:
-        try:
+        with one_error():
             async with anyio.create_task_group() as tg:
                 for i in range(count):
                     tg.start_soon(start, i)
-        except BaseExceptionGroup as group:
-            primary = primary_error(group)
-            if primary is None:
-                raise
-            raise primary from None
         yield [w for w in workers if w is not None]
     finally:
         with anyio.CancelScope(shield=True):
