@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ["asyncrefit", "asyncrefit.transport", "asyncrefit.local"]
+PACKAGES = ["asyncrefit", "asyncrefit.transport", "asyncrefit.local", "asyncrefit.ray"]
 
 
 def defined_names(module: types.ModuleType) -> set[str]:

@@ -67,13 +67,28 @@ class _PushAccount:
     committed: set[str] = field(default_factory=set)
 
 
+def _adapt(obj: Any, *, worker: bool = True) -> Any:
+    """A Ray actor handle wrapped by :mod:`asyncrefit.ray` (imported only for one).
+
+    Checked before anything else: an actor handle answers to any method name of its
+    class, so it could pass for a worker or source protocol without being one.
+    """
+    kind = type(obj)
+    if kind.__name__ == "ActorHandle" and kind.__module__.startswith("ray."):
+        from .ray import as_source, as_worker
+
+        return as_worker(obj) if worker else as_source(obj)
+    return obj
+
+
 class RefitCoordinator:
     """Pushes the trainer's weights to inference workers; an async context manager.
 
     ``trainer`` is a :class:`TrainerSource` (or several: one per trainer shard), or a
     ``torch.nn.Module`` / mapping of tensors of this process, which is wrapped in a
     :class:`LocalTrainer` over shared memory. ``workers`` are :class:`Worker` objects
-    with distinct names.
+    with distinct names. Ray actor handles (of actors using the :mod:`asyncrefit.ray`
+    mixins) may be given for either and are wrapped as they come.
 
     ``verify=True`` has the trainer checksum every bucket (CRC-32) and every worker
     re-check its copy against it; a mismatch fails the push with
@@ -104,7 +119,7 @@ class RefitCoordinator:
         | Sequence[TrainerSource]
         | torch.nn.Module
         | Mapping[str, torch.Tensor],
-        workers: Iterable[Worker],
+        workers: Iterable[Worker | Any],
         budget_bytes: int,
         bucket_bytes: int | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
@@ -117,7 +132,7 @@ class RefitCoordinator:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
         self._sources = self._as_sources(trainer)
         self._workers: dict[str, Worker] = {}
-        for worker in workers:
+        for worker in map(_adapt, workers):
             self._check_new_worker(worker)
             self._workers[worker.name] = worker
         self._budget_bytes = budget_bytes
@@ -151,6 +166,10 @@ class RefitCoordinator:
 
     @staticmethod
     def _as_sources(trainer: Any) -> list[TrainerSource]:
+        if isinstance(trainer, Sequence) and not isinstance(trainer, str):
+            trainer = [_adapt(t, worker=False) for t in trainer]
+        else:
+            trainer = _adapt(trainer, worker=False)
         if isinstance(trainer, TrainerSource):
             return [trainer]
         if (

@@ -1,0 +1,252 @@
+"""Trainer shards as Ray actors: the actor-side mixin and the coordinator's adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+
+from .._device import DeviceId
+from .._exceptions import AsyncRefitError
+from .._trainer import LocalTrainer
+from .._worker import SourceInfo
+from ..transport._base import Handle
+from ._cluster import current_node_id, sweep_node_segments
+from ._errors import SourceDiedError, SourceError, SourceRemoteError, source_errors
+from ._worker import (
+    check_actor_methods,
+    check_async_methods,
+    default_actor_name,
+    is_awaitable_result,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._plan import Bucket, Plan
+    from ..transport._base import Exporter
+
+logger = logging.getLogger(__name__)
+
+#: The methods a trainer actor serves; each must be ``async def``.
+TRAINER_METHODS = (
+    "refit_source_describe",
+    "refit_source_prepare",
+    "refit_source_export",
+    "refit_source_close",
+)
+
+
+class RefitTrainerMixin:
+    """Makes a Ray async actor a trainer shard that asyncrefit pushes from.
+
+    Inherit it in your trainer actor class and call :meth:`init_refit_source` from
+    ``__init__`` with the parameters to publish::
+
+        class Trainer(RefitTrainerMixin):
+            def __init__(self) -> None:
+                self.model = make_model()
+                self.init_refit_source(self.model, devices=["cpu:0"])
+
+            async def train_step(self) -> float: ...
+
+        actor = ray.remote(Trainer).options(num_cpus=1).remote()
+        source = RayTrainerSource(actor)               # give this to RefitCoordinator
+
+    Inside the actor a :class:`~asyncrefit.LocalTrainer` packs each bucket into a
+    staging slot (shared memory by default) on its node; the coordinator is sent
+    only small handles (segment names and layouts). The source's node is the actor's
+    Ray node id, so only workers on that node (and, with ``devices``, on those
+    devices) are routed to it. Give several shards (one per device, or per node)
+    to one coordinator: each worker is served by the shard on its own device.
+
+    Resource handling: packing runs in a thread, so the actor's loop keeps running
+    (do not step the optimizer while a push is running). Slots are created by
+    ``refit_source_prepare`` and unlinked by ``refit_source_close`` (the coordinator
+    calls it on exit) or when the actor exits gracefully. A killed actor's segments
+    are removed by :class:`RayTrainerSource` when it finds the actor dead, and by any
+    later exporter on that node (segment names carry the dead process's pid).
+    """
+
+    _refit_source_: LocalTrainer | None = None
+    _refit_trainer_methods: ClassVar[tuple[str, ...]] = TRAINER_METHODS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_async_methods(cls, cls._refit_trainer_methods)
+
+    def init_refit_source(
+        self,
+        parameters: torch.nn.Module
+        | Mapping[str, torch.Tensor]
+        | Callable[[], Mapping[str, torch.Tensor]],
+        *,
+        devices: Iterable[str | DeviceId] | None = None,
+        exporter: Exporter | None = None,
+        name: str = "trainer",
+    ) -> None:
+        """Publish ``parameters`` (read afresh at every push) from this actor's node.
+
+        ``devices`` limits the devices this shard serves (names such as ``"cpu:0"``
+        or GPU UUIDs; default every device on the node). ``exporter`` picks the
+        transport (default shared memory).
+        """
+        self._refit_source_ = LocalTrainer(
+            parameters, exporter=exporter, devices=devices, node=current_node_id(), name=name
+        )
+
+    @property
+    def refit_source(self) -> LocalTrainer:
+        """The in-actor trainer source."""
+        if self._refit_source_ is None:
+            raise AsyncRefitError(
+                f"{type(self).__name__}.init_refit_source(...) was not called in __init__"
+            )
+        return self._refit_source_
+
+    async def refit_source_describe(self) -> SourceInfo:
+        return await self.refit_source.describe()
+
+    async def refit_source_prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, checksum: bool = False
+    ) -> tuple[str, int]:
+        """Allocate the slots; returns ``(Ray node id, pid)``: where they live, and their owner."""
+        await self.refit_source.prepare(plan, slots, slot_bytes, checksum=checksum)
+        return current_node_id(), os.getpid()
+
+    async def refit_source_export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        return await self.refit_source.export(bucket, slot, devices)
+
+    async def refit_source_close(self) -> None:
+        await self.refit_source.aclose()
+
+    def __ray_shutdown__(self) -> None:
+        # Ray calls this on a graceful exit, after pending tasks (not when killed).
+        if self._refit_source_ is not None:
+            self._refit_source_.exporter.close()
+        parent = getattr(super(), "__ray_shutdown__", None)
+        if parent is not None:
+            parent()
+
+
+class RayTrainerSource:
+    """A :class:`~asyncrefit.TrainerSource` backed by a Ray actor using :class:`RefitTrainerMixin`.
+
+    Every call submits one actor task and awaits its ``ObjectRef`` on the caller's
+    loop (never ``ray.get``). The source reports the actor's Ray node id, so the
+    coordinator routes only workers on that node to it. ``name`` defaults to
+    ``ClassName-<actor id prefix>`` and replaces the name the actor describes itself by.
+    An actor whose class does not inherit :class:`RefitTrainerMixin` raises
+    ``TypeError`` here.
+
+    Resource handling: :meth:`aclose` asks the actor to unlink its segments. If the
+    actor is dead (killed, crashed), its segments cannot be unlinked by it: a zero-CPU
+    task on its node (recorded when the slots were prepared) removes them once its
+    process is gone, bounded by ``sweep_timeout``. :meth:`aclose` is not shielded:
+    bound it (the coordinator does, with its ``cleanup_timeout``). The actor itself
+    belongs to the caller and is never killed here.
+
+    Error handling: the actor dying raises :class:`SourceDiedError` naming it (during
+    a push the coordinator raises :class:`~asyncrefit.PushError` with it as the
+    cause, after aborting the workers); an error inside the actor raises
+    :class:`SourceRemoteError`. :meth:`aclose` logs errors instead of raising.
+    """
+
+    def __init__(self, actor: Any, *, name: str | None = None, sweep_timeout: float = 10.0) -> None:
+        check_actor_methods(actor, TRAINER_METHODS, "asyncrefit.ray.RefitTrainerMixin")
+        self._actor = actor
+        self._name = name if name is not None else default_actor_name(actor)
+        self._sweep_timeout = sweep_timeout
+        self._process: tuple[str, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"<RayTrainerSource {self._name!r} {self._actor!r}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor handle."""
+        return self._actor
+
+    async def _call(self, method: str, *args: object) -> object:
+        with source_errors(self._name):
+            result: object = await getattr(self._actor, method).remote(*args)
+        if is_awaitable_result(result):
+            raise SourceRemoteError(
+                self._name, "TypeError", f"{method} returned a {type(result).__name__}"
+            )
+        return result
+
+    async def describe(self) -> SourceInfo:
+        info = await self._call("refit_source_describe")
+        if not isinstance(info, SourceInfo):
+            raise SourceRemoteError(
+                self._name,
+                "TypeError",
+                f"refit_source_describe returned {type(info).__name__}, not a SourceInfo",
+            )
+        return dataclasses.replace(info, name=self._name)
+
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
+        where = await self._call("refit_source_prepare", plan, slots, slot_bytes, checksum)
+        if not isinstance(where, tuple) or len(where) != 2:
+            raise SourceRemoteError(
+                self._name, "TypeError", "refit_source_prepare did not return (node, pid)"
+            )
+        self._process = (str(where[0]), int(where[1]))  # whose segments to sweep if it dies
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        result = await self._call("refit_source_export", bucket, slot, tuple(devices))
+        if not isinstance(result, tuple) or not all(isinstance(h, Handle) for h in result):
+            raise SourceRemoteError(
+                self._name, "TypeError", "refit_source_export did not return handles"
+            )
+        if len(result) != len(devices):
+            raise SourceRemoteError(
+                self._name,
+                "ValueError",
+                f"asked for {len(devices)} handles, got {len(result)}",
+            )
+        return result
+
+    async def aclose(self) -> None:
+        """Unlink the actor's segments; sweep them from its node if it is dead. Idempotent."""
+        # Not shielded: the caller bounds it (the coordinator with its cleanup_timeout).
+        try:
+            await self._call("refit_source_close")
+        except SourceDiedError as exc:
+            logger.warning("%s; removing its shared memory", exc)
+            await self._sweep()
+        except SourceError as exc:
+            logger.warning("trainer source %s could not close: %s", self._name, exc)
+
+    async def _sweep(self) -> None:
+        if self._process is None:
+            return  # never prepared: it created no segment through us
+        node, pid = self._process
+        removed: list[str] = []
+        try:
+            with anyio.fail_after(self._sweep_timeout):
+                removed = await sweep_node_segments(
+                    node, pid=pid, wait_s=max(0.0, self._sweep_timeout - 2.0)
+                )
+        except Exception as exc:
+            logger.warning(
+                "could not sweep the segments of %s on node %s: %s", self._name, node, exc
+            )
+            return
+        if removed:
+            logger.info("removed %d segments of %s", len(removed), self._name)

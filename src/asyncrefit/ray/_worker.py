@@ -1,0 +1,359 @@
+"""Inference workers as Ray async actors: the actor-side mixin and the coordinator's adapter."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+
+from .._device import DeviceId
+from .._exceptions import AsyncRefitError, WorkerRemoteError
+from .._messages import BucketAck
+from .._plan import ParamSpec
+from .._receiver import ParameterReceiver
+from ._cluster import current_node_id
+from ._errors import AwaitableReturnedError, worker_errors
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..transport._base import Handle, Importer
+
+#: The methods a worker actor serves; each must be a coroutine function (``async def``),
+#: so that it runs on the actor's own event loop and returns a plain value.
+WORKER_METHODS = (
+    "report_device_id_async",
+    "refit_discover",
+    "refit_parameter_specs",
+    "refit_begin",
+    "refit_load",
+    "refit_commit",
+    "refit_abort",
+    "refit_weight_version",
+    "refit_release_handles",
+    "refit_digests",
+)
+
+
+def check_async_methods(cls: type, names: Iterable[str]) -> None:
+    """Raise ``TypeError`` if ``cls`` defines one of ``names`` as anything but ``async def``.
+
+    A plain ``def`` that returns a coroutine would have Ray pickle a coroutine object
+    (or the caller await it on the wrong loop): refused when the class is defined.
+    """
+    for name in names:
+        attr = inspect.getattr_static(cls, name, None)
+        if attr is None:
+            continue
+        func = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+        if not inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"{cls.__qualname__}.{name} must be an `async def` method: the coordinator "
+                "awaits it through Ray, it runs on the actor's own event loop and returns a "
+                "plain value (a plain `def` returning a coroutine would send the coroutine)"
+            )
+
+
+def is_awaitable_result(value: object) -> bool:
+    """Whether ``value`` is something to await (coroutine, future, ``ObjectRef``)."""
+    return inspect.isawaitable(value) or type(value).__name__ in ("ObjectRef", "Future")
+
+
+def _reject_awaitable(where: str, what: str, value: object) -> None:
+    if is_awaitable_result(value):
+        if inspect.iscoroutine(value):
+            value.close()  # never awaited here, and never sent anywhere: no warning
+        raise AwaitableReturnedError(
+            where,
+            f"{what} returned a {type(value).__name__}, not a plain value; "
+            "await it on the actor's own loop and return the result",
+        )
+
+
+class RefitWorkerMixin:
+    """Makes a Ray async actor an asyncrefit inference worker.
+
+    Inherit it in your actor class (the one that owns your engine or module) and call
+    :meth:`init_refit` from ``__init__`` with the parameters to update::
+
+        class Policy(RefitWorkerMixin):
+            def __init__(self) -> None:
+                self.model = make_model()
+                self.init_refit(self.model, device="cpu:0")
+
+        actor = ray.remote(Policy).options(num_cpus=0).remote()
+        worker = RayWorker(actor, name="policy-0")      # give this to RefitCoordinator
+
+    Every method the coordinator calls is ``async def`` and runs on the actor's own
+    event loop; Ray returns its plain result (a ``DeviceId``, a ``BucketAck``, ...).
+    ``report_device_id_async`` may be overridden with an ``async def`` that awaits
+    your engine (on this same loop); the device it reports is the one the actor is
+    sent handles for. Defining any of these methods without ``async`` raises
+    ``TypeError`` when the class is defined.
+
+    Resource handling: copies run in a worker thread (one at a time, in the order the
+    requests arrived), so the actor's loop keeps serving other calls meanwhile. An
+    abort is answered only after a copy still running has finished, so its answer
+    means this actor reads no trainer buffer any more. Shared-memory mappings are
+    cached across pushes and closed by ``refit_release_handles`` (the coordinator
+    calls it on exit) and when the actor exits gracefully.
+
+    Error handling: errors raised here reach the coordinator as
+    :class:`~asyncrefit.WorkerRemoteError` with their type and message; a device
+    query that returns an awaitable raises :class:`AwaitableReturnedError`.
+    """
+
+    _refit_receiver_: ParameterReceiver | None = None
+    _refit_device_: DeviceId | None = None
+    _refit_lock_: anyio.Lock | None = None
+    _refit_limiter_: anyio.CapacityLimiter | None = None
+    _refit_method_names: ClassVar[tuple[str, ...]] = WORKER_METHODS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_async_methods(cls, cls._refit_method_names)
+
+    # --- set-up (synchronous: called from the actor's __init__) -----------------------
+
+    def init_refit(
+        self,
+        parameters: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        device: str | DeviceId = "cpu:0",
+        importers: Mapping[str, Importer] | None = None,
+    ) -> None:
+        """Receive refits into ``parameters`` (a module's parameters, or named tensors).
+
+        ``device`` is this actor's device on its node: a virtual CPU device name
+        (``"cpu:0"``), a GPU's UUID, or a full :class:`~asyncrefit.DeviceId`. A name is
+        qualified with this actor's Ray node id, so handles never cross nodes.
+        ``importers`` overrides the transports' importers (tests, custom transports).
+        """
+        import torch
+
+        tensors = (
+            dict(parameters.named_parameters())
+            if isinstance(parameters, torch.nn.Module)
+            else dict(parameters)
+        )
+        own = (
+            device
+            if isinstance(device, DeviceId)
+            else DeviceId(node=current_node_id(), device=device)
+        )
+        self._refit_device_ = own
+        self._refit_receiver_ = ParameterReceiver(tensors, own, importers=importers)
+
+    @property
+    def refit_receiver(self) -> ParameterReceiver:
+        """The receiver that copies into this actor's parameters."""
+        if self._refit_receiver_ is None:
+            raise AsyncRefitError(
+                f"{type(self).__name__}.init_refit(...) was not called in __init__"
+            )
+        return self._refit_receiver_
+
+    def _refit_sync(self) -> tuple[anyio.Lock, anyio.CapacityLimiter]:
+        # Made on first use, on the actor's loop (``__init__`` may run elsewhere).
+        if self._refit_lock_ is None or self._refit_limiter_ is None:
+            self._refit_lock_ = anyio.Lock()
+            self._refit_limiter_ = anyio.CapacityLimiter(1)
+        return self._refit_lock_, self._refit_limiter_
+
+    # --- what the coordinator calls (through RayWorker) ---------------------------------
+
+    async def report_device_id_async(self) -> DeviceId:
+        """This actor's device. Runs on the actor's own loop; override it to ask your engine.
+
+        An override must be ``async def`` and return a :class:`~asyncrefit.DeviceId`
+        (see :func:`asyncrefit.ray.ray_device`), awaiting whatever it needs first.
+        """
+        await anyio.lowlevel.checkpoint()
+        if self._refit_device_ is None:
+            raise AsyncRefitError(
+                f"{type(self).__name__}.init_refit(...) was not called in __init__"
+            )
+        return self._refit_device_
+
+    async def refit_discover(self) -> DeviceId:
+        """Await :meth:`report_device_id_async` here, on this loop; bind the receiver to it."""
+        receiver = self.refit_receiver
+        device: object = await self.report_device_id_async()
+        _reject_awaitable(type(self).__name__, "report_device_id_async", device)
+        if not isinstance(device, DeviceId):
+            raise TypeError(
+                f"report_device_id_async returned {type(device).__name__}, not a DeviceId"
+            )
+        receiver.device = device
+        return device
+
+    async def refit_parameter_specs(self) -> tuple[ParamSpec, ...]:
+        await anyio.lowlevel.checkpoint()
+        return self.refit_receiver.specs()
+
+    async def refit_begin(self, version: int) -> None:
+        lock, _ = self._refit_sync()
+        async with lock:
+            self.refit_receiver.begin(version)
+
+    async def refit_load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
+        """Copy one bucket (in a thread); returns once every view of the buffer is dropped."""
+        lock, limiter = self._refit_sync()
+        receiver = self.refit_receiver
+        async with lock:
+            return await anyio.to_thread.run_sync(
+                receiver.load, version, bucket, handles, limiter=limiter
+            )
+
+    async def refit_commit(self, version: int, buckets: int) -> None:
+        lock, _ = self._refit_sync()
+        async with lock:
+            self.refit_receiver.commit(version, buckets)
+
+    async def refit_abort(self, version: int) -> None:
+        """Give ``version`` up; answered after any copy still running has finished."""
+        lock, _ = self._refit_sync()
+        async with lock:
+            self.refit_receiver.abort(version)
+
+    async def refit_weight_version(self) -> int | None:
+        await anyio.lowlevel.checkpoint()
+        return self.refit_receiver.version
+
+    async def refit_release_handles(self) -> None:
+        lock, _ = self._refit_sync()
+        async with lock:
+            self.refit_receiver.release_handles()
+
+    async def refit_digests(self) -> dict[str, str]:
+        """A digest of each parameter's bytes (diagnostics: equal iff bitwise equal)."""
+        lock, limiter = self._refit_sync()
+        async with lock:
+            return await anyio.to_thread.run_sync(self.refit_receiver.digests, limiter=limiter)
+
+    def __ray_shutdown__(self) -> None:
+        # Ray calls this when the actor exits gracefully (not when it is killed).
+        if self._refit_receiver_ is not None:
+            self._refit_receiver_.close()
+        parent = getattr(super(), "__ray_shutdown__", None)
+        if parent is not None:
+            parent()
+
+
+def check_actor_methods(actor: Any, methods: Iterable[str], mixin: str) -> None:
+    """Raise ``TypeError`` unless ``actor`` (a handle) has every one of ``methods``."""
+    missing = [m for m in methods if not hasattr(actor, m)]
+    if missing:
+        raise TypeError(f"{actor!r} has no method {missing[0]!r}: its class must inherit {mixin}")
+
+
+def default_actor_name(actor: Any) -> str:
+    """``ClassName-<first 8 hex digits of the actor id>`` for an actor handle."""
+    try:
+        cls = str(actor._ray_actor_creation_function_descriptor.class_name)
+        actor_id = str(actor._actor_id.hex())
+    except AttributeError:
+        return repr(actor)
+    return f"{cls.rsplit('.', 1)[-1]}-{actor_id[:8]}"
+
+
+class RayWorker:
+    """A :class:`~asyncrefit.Worker` backed by a Ray actor that uses :class:`RefitWorkerMixin`.
+
+    Each call submits one actor task (``actor.method.remote(...)``, which does not
+    block) and awaits its ``ObjectRef`` on the coordinator's loop; nothing calls
+    ``ray.get``. The actor's code, its device query included, runs on the actor's own
+    loop, and only plain values come back: a coroutine, future or ``ObjectRef`` in a
+    reply raises :class:`AwaitableReturnedError` (at discovery, before any byte moves).
+    Works on asyncio (uvloop included), where Ray's ``ObjectRef`` can be awaited.
+
+    ``name`` defaults to ``ClassName-<actor id prefix>``. An actor whose class does not
+    inherit :class:`RefitWorkerMixin` raises ``TypeError`` here.
+
+    Resource handling: the actor belongs to the caller: nothing here kills it. A call
+    that is cancelled stops waiting; the actor finishes that request on its own, and
+    answers a later abort only after it.
+
+    Error handling: the actor dying (``ray.kill``, its process killed, its node lost)
+    raises :class:`~asyncrefit.WorkerDiedError` naming it, as soon as Ray reports it;
+    an unavailable actor raises :class:`~asyncrefit.WorkerTimeoutError`; an error in
+    the actor :class:`~asyncrefit.WorkerRemoteError`. The coordinator's ``timeout``
+    bounds every call.
+    """
+
+    def __init__(self, actor: Any, *, name: str | None = None) -> None:
+        check_actor_methods(actor, WORKER_METHODS, "asyncrefit.ray.RefitWorkerMixin")
+        self._actor = actor
+        self._name = name if name is not None else default_actor_name(actor)
+
+    def __repr__(self) -> str:
+        return f"<RayWorker {self._name!r} {self._actor!r}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor handle."""
+        return self._actor
+
+    async def _call(self, method: str, *args: object) -> object:
+        with worker_errors(self._name):
+            ref = getattr(self._actor, method).remote(*args)
+            result: object = await ref
+        _reject_awaitable(self._name, method, result)
+        return result
+
+    def _wrong_type(self, method: str, result: object, expected: str) -> WorkerRemoteError:
+        return WorkerRemoteError(
+            self._name, "TypeError", f"{method} returned {type(result).__name__}, not {expected}"
+        )
+
+    async def report_device_id_async(self) -> DeviceId:
+        """The actor's device: its ``report_device_id_async``, awaited on its own loop."""
+        result = await self._call("refit_discover")
+        if not isinstance(result, DeviceId):
+            raise self._wrong_type("report_device_id_async", result, "a DeviceId")
+        return result
+
+    async def parameter_specs(self) -> Sequence[ParamSpec]:
+        result = await self._call("refit_parameter_specs")
+        if not isinstance(result, tuple) or not all(isinstance(s, ParamSpec) for s in result):
+            raise self._wrong_type("refit_parameter_specs", result, "a tuple of ParamSpec")
+        return result
+
+    async def begin_update(self, version: int) -> None:
+        await self._call("refit_begin", version)
+
+    async def load_bucket(
+        self, version: int, bucket: int, handles: tuple[Handle, ...]
+    ) -> BucketAck:
+        result = await self._call("refit_load", version, bucket, handles)
+        if not isinstance(result, BucketAck):
+            raise self._wrong_type("refit_load", result, "a BucketAck")
+        return result
+
+    async def commit_update(self, version: int, buckets: int) -> None:
+        await self._call("refit_commit", version, buckets)
+
+    async def abort_update(self, version: int) -> None:
+        await self._call("refit_abort", version)
+
+    async def weight_version(self) -> int | None:
+        result = await self._call("refit_weight_version")
+        if result is not None and not isinstance(result, int):
+            raise self._wrong_type("refit_weight_version", result, "an int or None")
+        return result
+
+    async def release_handles(self) -> None:
+        await self._call("refit_release_handles")
+
+    async def parameter_digests(self) -> dict[str, str]:
+        """A digest of each of the actor's parameters (diagnostics)."""
+        result = await self._call("refit_digests")
+        if not isinstance(result, dict):
+            raise self._wrong_type("refit_digests", result, "a dict")
+        return {str(k): str(v) for k, v in result.items()}
