@@ -67,17 +67,33 @@ class _InProcessSource:
         self._name = name
         # One thread at a time touches the buffers; aclose waits for it.
         self._limiter = anyio.CapacityLimiter(1)
+        # The tensors as read by the last describe (the start of a push): walking a
+        # module's parameters for every bucket would cost more than packing small ones.
+        self._current: Mapping[str, torch.Tensor] | None = None
 
     def specs(self) -> tuple[ParamSpec, ...]:
         """The current parameters' names, shapes and dtypes, in order."""
+        return self._specs(self._tensors())
+
+    @staticmethod
+    def _specs(tensors: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
         return tuple(
             ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
-            for name, t in self._tensors().items()
+            for name, t in tensors.items()
         )
 
+    def _read(self) -> Mapping[str, torch.Tensor]:
+        """The tensors of the push in progress (read afresh by every describe)."""
+        return self._current if self._current is not None else self._tensors()
+
     async def describe(self) -> SourceInfo:
+        """Read the parameters afresh (the coordinator calls this at every push)."""
+        self._current = dict(self._tensors())
         return SourceInfo(
-            name=self._name, node=self._node, devices=self._devices, specs=self.specs()
+            name=self._name,
+            node=self._node,
+            devices=self._devices,
+            specs=self._specs(self._current),
         )
 
     def _tensor(
@@ -145,7 +161,7 @@ class LocalTrainer(_InProcessSource):
     def _pack(self, bucket: Bucket, slot: int) -> int | None:
         import torch
 
-        tensors = self._tensors()
+        tensors = self._read()
         buffer = self._exporter.buffer(slot)
         packed = []
         with torch.no_grad():
@@ -230,7 +246,7 @@ class SharedParameterTrainer(_InProcessSource):
             return
         self._unlink()
         self._generation += 1
-        tensors = self._tensors()
+        tensors = self._read()
         segments: dict[int, _Segment] = {}
         try:
             for bucket in plan.buckets:
@@ -270,7 +286,7 @@ class SharedParameterTrainer(_InProcessSource):
     def _refresh(self, bucket: Bucket) -> int | None:
         import torch
 
-        tensors = self._tensors()
+        tensors = self._read()
         base = self._segments[bucket.index].tensor
         assert base is not None
         with torch.no_grad():
