@@ -71,6 +71,7 @@ class Importer(Protocol):
 IMPORTERS: dict[str, tuple[str, str]] = {
     "shm": ("asyncrefit.transport.shm", "SharedMemoryImporter"),
     "cuda_ipc": ("asyncrefit.transport.cuda_ipc", "CudaIpcImporter"),
+    "collective": ("asyncrefit.transport.collective", "CollectiveImporter"),
 }
 
 

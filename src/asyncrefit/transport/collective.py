@@ -1,0 +1,629 @@
+"""The collective transport: buckets broadcast over a dedicated ``torch.distributed`` group.
+
+For workers that share no memory with the trainer (another node, another GPU). The
+trainer side, :class:`CollectiveTrainer`, packs each bucket into one of its own staging
+slots (plain CPU tensors for gloo, CUDA tensors for NCCL) and, while the workers load
+the bucket, broadcasts the slot from rank 0 of a *stateless* process group: a
+``TCPStore`` the trainer hosts, and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built
+on a ``PrefixStore`` of it. Neither ``init_process_group`` nor any default group (the
+trainer's, vLLM's) is touched.
+
+Each worker is sent only its own :class:`CollectiveHandle`: the store's address, the
+group's generation, the world size and the worker's own rank. Its
+:class:`CollectiveImporter` joins the group on the first handle of a generation,
+receives the broadcast into a buffer of its own, and returns it for the copy into the
+parameters; the ack then means what it means for every transport.
+
+The group is formed lazily by both sides (the root in its first broadcast, each worker
+in its first ``open``) and re-formed with a new generation when the set of receiving
+devices changes or after any failure: a failed or cancelled push leaves the group in an
+unknown state, so the next push starts a fresh one (remove a dead worker with
+``RefitCoordinator.remove_worker`` first).
+
+The NCCL backend takes the same code path with CUDA buffers; it needs two GPUs and is
+exercised by the multi-GPU issue (8), not by this repository's CPU tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import secrets
+import socket
+import threading
+import traceback
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import anyio
+
+from .._device import DeviceId
+from .._exceptions import ClosedError, TransportError
+from .._trainer import LocalTrainer, TensorsLike
+from .._worker import SourceInfo
+from ._base import Handle
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._plan import Bucket, Plan
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["gloo", "nccl"]
+
+#: Bytes after each bucket's payload in a broadcast: (bucket index, generation) as two
+#: int64, so that a receiver that got another bucket's bytes fails instead of loading them.
+_TRAILER = 16
+_ALIGN = 8
+
+DEFAULT_TIMEOUT = 30.0
+#: Seconds a failed broadcast waits before raising, for a worker's own error to surface.
+_SURFACE_GRACE = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveHandle(Handle):
+    """One worker's ticket to a bucket broadcast: where to join, as which rank.
+
+    ``host``/``port`` name the trainer's ``TCPStore``; ``session`` (random per trainer
+    source) and ``generation`` name the group; ``rank`` is this worker's rank in it
+    (the trainer is rank 0) and ``world_size`` counts every rank. ``timeout`` bounds
+    joining the group and each broadcast, in seconds.
+    """
+
+    kind: ClassVar[str] = "collective"
+    host: str
+    port: int
+    session: str
+    generation: int
+    rank: int
+    world_size: int
+    backend: Backend = "gloo"
+    timeout: float = DEFAULT_TIMEOUT
+
+
+def _framed(nbytes: int) -> int:
+    """Bytes of a bucket's broadcast: its payload, padded, then the trailer."""
+    return -(-nbytes // _ALIGN) * _ALIGN + _TRAILER
+
+
+def _write_trailer(buffer: torch.Tensor, nbytes: int, bucket: int, generation: int) -> None:
+    import torch
+
+    at = _framed(nbytes) - _TRAILER
+    values = torch.tensor([bucket, generation], dtype=torch.int64, device=buffer.device)
+    buffer[at : at + _TRAILER].copy_(values.view(torch.uint8))
+
+
+def _read_trailer(buffer: torch.Tensor, nbytes: int) -> tuple[int, int]:
+    import torch
+
+    at = _framed(nbytes) - _TRAILER
+    bucket, generation = buffer[at : at + _TRAILER].cpu().view(torch.int64).tolist()
+    return int(bucket), int(generation)
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (``127.0.0.1`` for a loopback host).
+
+    No packet is sent: a UDP socket is connected and asked for its own address.
+    """
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:  # a host name
+        if host == "localhost":
+            return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        address: str = probe.getsockname()[0]
+        return address
+
+
+def _dist() -> Any:
+    """``torch.distributed``, untyped: its stubs do not export the stateless-group API."""
+    import importlib
+
+    return importlib.import_module("torch.distributed")
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _new_group(
+    backend: Backend, store: Any, prefix: str, rank: int, size: int, bind: str, timeout: float
+) -> Any:
+    """A process group of ``size`` ranks on ``PrefixStore(prefix, store)``; blocks until formed."""
+    dist = _dist()
+
+    prefixed = dist.PrefixStore(prefix, store)
+    if backend == "nccl":  # exercised by the multi-GPU issue (8); not testable on one GPU
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _timedelta(timeout)
+        group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        # NCCL connects lazily: a one-element broadcast on this process's own GPU (a
+        # barrier would guess the GPU from the rank) makes a missing rank fail here.
+        import torch
+
+        probe = torch.zeros(1, dtype=torch.uint8, device=torch.device("cuda"))
+        _broadcast(group, probe, "nccl")
+        return group
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _timedelta(timeout)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor, backend: Backend) -> None:
+    """Broadcast ``tensor`` from rank 0 (or receive it); blocks until it is complete."""
+    import torch
+
+    dist = _dist()
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+    if backend == "nccl":
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the locals of the frames ``exc`` (and its causes) passed through.
+
+    A process group closes its connections only when it is destroyed: a failed
+    broadcast's traceback must not keep it alive (peers would wait out their timeouts).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
+def _shut(group: Any) -> None:
+    """Abort a group (NCCL: ``ncclCommAbort``) before its last reference goes.
+
+    Gloo closes its connections only when the group is destroyed, which is what makes
+    peers blocked in it fail at once: callers drop every reference right after this.
+    """
+    try:
+        group.abort()
+    except Exception as exc:  # an older torch, or nothing left to abort
+        logger.debug("aborting a process group failed: %s", exc)
+
+
+class _Root:
+    """Rank 0: the slots, the store, the group and its membership (an :class:`Exporter`).
+
+    Slot buffers are touched by one packing thread and one sending thread at a time,
+    never the same slot at once (the coordinator's slot rules); the group by the sending
+    thread only, and by :meth:`close` once that thread ended.
+    """
+
+    kind = "collective"
+
+    def __init__(self, host: str, port: int, backend: Backend, timeout: float) -> None:
+        self.host = host
+        self.port = port
+        self.backend: Backend = backend
+        self.timeout = timeout
+        self.session = secrets.token_hex(4)
+        self.generation = 0
+        self.members: tuple[DeviceId, ...] = ()
+        self.broken = False
+        self._slots: list[torch.Tensor] = []
+        self._store: Any = None
+        self._group: Any = None
+        self._group_generation = -1
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"<collective root {self.backend} {self.host}:{self.port} gen={self.generation} "
+            f"members={len(self.members)} slots={len(self._slots)} broken={self.broken}>"
+        )
+
+    # --- the Exporter protocol ----------------------------------------------------------
+
+    def allocate(self, slots: int, slot_bytes: int) -> None:
+        import torch
+
+        dist = _dist()
+
+        size = _framed(slot_bytes)
+        if self._store is None:
+            try:
+                self._store = dist.TCPStore(
+                    self.host,
+                    self.port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=_timedelta(self.timeout),
+                )
+            except Exception as exc:
+                raise TransportError(
+                    f"cannot host a TCP store on {self.host}:{self.port}: {exc}"
+                ) from exc
+            self.port = self._store.port
+        if len(self._slots) == slots and all(s.numel() == size for s in self._slots):
+            return
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        self._slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(slots)]
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._slots[slot]
+
+    def seal(self, slot: int) -> None:
+        if self.backend == "nccl":
+            import torch
+
+            torch.cuda.current_stream(self._slots[slot].device).synchronize()
+
+    def handle(self, slot: int, bucket: Bucket, device: DeviceId) -> CollectiveHandle:
+        try:
+            rank = 1 + self.members.index(device)
+        except ValueError:
+            raise TransportError(f"device {device} is not a member of the broadcast") from None
+        return CollectiveHandle(
+            device=device,
+            bucket=bucket.index,
+            nbytes=bucket.nbytes,
+            entries=bucket.entries,
+            host=self.host,
+            port=self.port,
+            session=self.session,
+            generation=self.generation,
+            rank=rank,
+            world_size=1 + len(self.members),
+            backend=self.backend,
+            timeout=self.timeout,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_group()
+            self._slots = []
+            self._store = None  # the store's server stops with its last reference
+
+    # --- membership and sending -----------------------------------------------------------
+
+    def form(self, devices: Sequence[DeviceId]) -> None:
+        """Before a push: a new generation if the receivers changed or the group broke."""
+        members = tuple(sorted(set(devices)))
+        if members != self.members or self.broken or self.generation == 0:
+            self.generation += 1
+            self.members = members
+            self.broken = False
+
+    def send(self, slot: int, bucket: Bucket) -> None:
+        """Broadcast ``slot`` holding ``bucket`` to the current generation (a thread)."""
+        with self._lock:
+            if self.broken:
+                raise TransportError(
+                    f"the broadcast group (generation {self.generation}) failed earlier in "
+                    "this push"
+                )
+            if not self._slots:
+                raise ClosedError("the collective trainer source is closed")
+            generation = self.generation
+            try:
+                self._send(slot, bucket, generation)
+            except TransportError as exc:
+                _forget_frames(exc)
+                self._fail()
+                raise
+            except Exception as exc:  # gloo/NCCL/store errors are RuntimeErrors
+                _forget_frames(exc)
+                self._fail()
+                raise TransportError(
+                    f"broadcast of bucket {bucket.index} (generation {generation}, "
+                    f"{len(self.members)} receivers) failed: {exc}"
+                ) from exc
+
+    def _send(self, slot: int, bucket: Bucket, generation: int) -> None:
+        group = self._current_group(generation)
+        buffer = self._slots[slot]
+        _write_trailer(buffer, bucket.nbytes, bucket.index, generation)
+        _broadcast(group, buffer[: _framed(bucket.nbytes)], self.backend)
+
+    def _current_group(self, generation: int) -> Any:
+        if self._group is not None and self._group_generation == generation:
+            return self._group
+        self._drop_group()
+        assert self._store is not None
+        try:
+            group = _new_group(
+                self.backend,
+                self._store,
+                f"{self.session}/gen{generation}",
+                0,
+                1 + len(self.members),
+                self.host,
+                self.timeout,
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"the {len(self.members)} receivers did not all join broadcast group "
+                f"generation {generation} within {self.timeout} s: {exc}"
+            ) from exc
+        self._group, self._group_generation = group, generation
+        return group
+
+    def _fail(self) -> None:
+        self.broken = True
+        self._drop_group()
+
+    def drop_group(self) -> None:
+        """Tear the group down (once no broadcast runs); the next push forms a new one."""
+        with self._lock:
+            self._drop_group()
+
+    def _drop_group(self) -> None:
+        group, self._group, self._group_generation = self._group, None, -1
+        if group is not None:
+            _shut(group)
+
+
+class CollectiveTrainer(LocalTrainer):
+    """A :class:`~asyncrefit.TransmittingSource` that broadcasts buckets to remote workers.
+
+    ``parameters`` as for :class:`~asyncrefit.LocalTrainer` (read afresh at every push).
+    ``remote`` lists the devices this source serves (default ``None``: any device that
+    no source listed before it serves; give the colocated sources first). ``host`` is
+    the address the trainer's ``TCPStore`` and its end of the group bind to and that
+    workers connect to: ``127.0.0.1`` for workers on this machine, this node's IP
+    otherwise (with Ray, ``ray.util.get_node_ip_address()`` on the trainer); ``port``
+    0 picks a free one. ``backend`` is ``"gloo"`` (CPU buffers) or ``"nccl"`` (CUDA
+    buffers; exercised by the multi-GPU issue). ``timeout`` bounds the group's
+    formation and every broadcast, in seconds; keep it below the coordinator's
+    ``timeout`` so that a receiver that never joins is reported by the transport.
+
+    One worker per device: the receiving devices are the group's ranks. The
+    coordinator's slots and budget apply unchanged: with two slots, packing bucket
+    k+1 overlaps broadcasting bucket k. Broadcasts run in bucket order, one at a time.
+
+    Resource handling: ``prepare`` allocates the slots and starts the store;
+    ``aclose`` waits for a running pack and broadcast (each bounded by ``timeout``),
+    then tears the group down and frees the slots and the store. A slot is reused only
+    after its broadcast ended, which the coordinator guarantees by awaiting
+    :meth:`transmit` before releasing the slot.
+
+    Error handling: a broadcast that fails (a receiver died, or did not join within
+    ``timeout``) raises :class:`~asyncrefit.TransportError` and tears the group down,
+    so receivers blocked in it fail promptly too; the next push forms a new generation.
+    A push that ends early for any other reason (cancelled, another worker failed) also
+    makes the next push re-form the group.
+    """
+
+    def __init__(
+        self,
+        parameters: TensorsLike,
+        *,
+        remote: Iterable[DeviceId] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: Backend = "gloo",
+        timeout: float = DEFAULT_TIMEOUT,
+        node: str | None = None,
+        name: str = "collective",
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self._root = _Root(host, port, backend, timeout)
+        super().__init__(parameters, exporter=self._root, devices=(), node=node, name=name)
+        self._remote = frozenset(remote) if remote is not None else None
+        # One broadcast at a time, in bucket order (every rank must issue them alike).
+        self._send_limiter = anyio.CapacityLimiter(1)
+        self._next = 0
+        self._advanced: anyio.Event | None = None  # made on the loop that pushes
+        self._buckets = 0
+
+    def __repr__(self) -> str:
+        return f"<CollectiveTrainer {self._name!r} {self._root!r}>"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The store's ``(host, port)`` (the port is known after ``prepare``)."""
+        return self._root.host, self._root.port
+
+    @property
+    def generation(self) -> int:
+        """The current group generation (grows each time the group is re-formed)."""
+        return self._root.generation
+
+    async def describe(self) -> SourceInfo:
+        return SourceInfo(
+            name=self._name,
+            node=self._node,
+            devices=frozenset(),
+            specs=self.specs(),
+            remote=self._remote,
+        )
+
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
+        await super().prepare(plan, slots, slot_bytes, checksum=checksum)
+        self._buckets = len(plan.buckets)
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        if bucket.index == 0:
+            if self._next not in (0, self._buckets):
+                self._root.broken = True  # the last push stopped half-way
+            self._next = 0
+            self._root.form(devices)
+        elif tuple(sorted(set(devices))) != self._root.members:
+            raise TransportError("the receiving devices changed in the middle of a push")
+        return await super().export(bucket, slot, devices)
+
+    async def transmit(self, bucket: Bucket, slot: int) -> None:
+        """Broadcast ``slot`` (holding ``bucket``) to every receiver; returns when sent.
+
+        Waits for the broadcasts of the buckets before it. The broadcast itself runs in
+        a thread that cannot be interrupted: a cancellation waits for it, which
+        ``timeout`` bounds.
+        """
+        try:
+            while self._next < bucket.index:
+                if self._advanced is None:
+                    self._advanced = anyio.Event()
+                await self._advanced.wait()
+            if self._next != bucket.index:
+                raise TransportError(f"bucket {bucket.index} was transmitted already")
+            await anyio.to_thread.run_sync(
+                self._root.send, slot, bucket, limiter=self._send_limiter
+            )
+        except BaseException as exc:
+            self._root.broken = True
+            # Receivers may wait in this generation for buckets that will never come:
+            # tear it down now (after a broadcast still running), so they fail at once.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._root.timeout + 5):
+                await anyio.to_thread.run_sync(self._root.drop_group, limiter=self._send_limiter)
+            if isinstance(exc, TransportError):
+                # A broadcast fails because a receiver died or stalled, and the
+                # coordinator learns which one a moment later: give that worker's error
+                # time to cancel this one, so that the push names the worker.
+                await anyio.sleep(_SURFACE_GRACE)
+            raise
+        self._next = bucket.index + 1
+        advanced, self._advanced = self._advanced, None
+        if advanced is not None:
+            advanced.set()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            async with self._send_limiter:
+                await super().aclose()
+
+
+class CollectiveImporter:
+    """Worker side: joins the trainer's broadcast group and receives buckets.
+
+    ``bind`` is the address this worker's end of the group binds to (default: this
+    machine's address on the route to the trainer, ``127.0.0.1`` for a local one).
+
+    Resource handling: the group of the current generation, a client of the trainer's
+    store and one receive buffer (grown as needed) are kept across buckets and pushes;
+    a handle of a new generation drops the old group first. :meth:`close` drops all of
+    it. The buffer returned by :meth:`open` is overwritten by the next ``open``.
+
+    Error handling: a group that cannot be joined, or a broadcast that fails or does
+    not arrive within the handle's ``timeout``, raises
+    :class:`~asyncrefit.TransportError` before any byte reaches the parameters, and
+    tears this worker's end of the group down.
+    """
+
+    def __init__(self, bind: str | None = None) -> None:
+        self._bind = bind
+        self._store: Any = None
+        self._store_address: tuple[str, int] | None = None
+        self._group: Any = None
+        self._group_key: tuple[str, int, int] | None = None
+        self._buffer: torch.Tensor | None = None
+        # The generation that failed here: later buckets of it fail at once instead of
+        # each waiting out its timeout (the trainer forms a new one after any failure).
+        self._failed: tuple[str, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"<CollectiveImporter group={self._group_key} failed={self._failed}>"
+
+    def _join(self, handle: CollectiveHandle) -> Any:
+        dist = _dist()
+
+        key = (handle.session, handle.generation, handle.rank)
+        if self._group is not None and self._group_key == key:
+            return self._group
+        self._drop_group()
+        address = (handle.host, handle.port)
+        if self._store is None or self._store_address != address:
+            self._store = dist.TCPStore(
+                handle.host,
+                handle.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=_timedelta(handle.timeout),
+            )
+            self._store_address = address
+        bind = self._bind if self._bind is not None else local_address_towards(handle.host)
+        self._group = _new_group(
+            handle.backend,
+            self._store,
+            f"{handle.session}/gen{handle.generation}",
+            handle.rank,
+            handle.world_size,
+            bind,
+            handle.timeout,
+        )
+        self._group_key = key
+        return self._group
+
+    def _receive_buffer(self, size: int, backend: Backend) -> torch.Tensor:
+        import torch
+
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = None
+            if backend == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device("cpu")
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        return self._buffer
+
+    def open(self, handle: Handle) -> torch.Tensor:
+        if not isinstance(handle, CollectiveHandle):
+            raise TransportError(f"the collective transport cannot open a {handle.kind!r} handle")
+        size = _framed(handle.nbytes)
+        if self._failed == (handle.session, handle.generation):
+            raise TransportError(
+                f"broadcast group generation {handle.generation} failed earlier on this "
+                "worker; the next push forms a new one"
+            )
+        try:
+            buffer = self._receive(handle, size)
+        except Exception as exc:
+            _forget_frames(exc)
+            self._failed = (handle.session, handle.generation)
+            self._drop_group()
+            self._store = self._store_address = None
+            raise TransportError(
+                f"receiving bucket {handle.bucket} (generation {handle.generation}, rank "
+                f"{handle.rank}) failed: {exc}"
+            ) from exc
+        got = _read_trailer(buffer, handle.nbytes)
+        if got != (handle.bucket, handle.generation):
+            self._failed = (handle.session, handle.generation)
+            self._drop_group()
+            raise TransportError(
+                f"expected bucket {handle.bucket} of generation {handle.generation}, "
+                f"received bucket {got[0]} of generation {got[1]}"
+            )
+        return buffer[: handle.nbytes]
+
+    def _receive(self, handle: CollectiveHandle, size: int) -> torch.Tensor:
+        group = self._join(handle)
+        buffer = self._receive_buffer(size, handle.backend)
+        _broadcast(group, buffer[:size], handle.backend)
+        return buffer
+
+    def finish(self, handle: Handle) -> None:
+        if isinstance(handle, CollectiveHandle) and handle.backend == "nccl":
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+
+    def _drop_group(self) -> None:
+        group, self._group, self._group_key = self._group, None, None
+        if group is not None:
+            _shut(group)
+
+    def close(self) -> None:
+        self._drop_group()
+        self._store = self._store_address = None
+        self._buffer = None
