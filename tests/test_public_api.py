@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ["asyncrefit", "asyncrefit.transport", "asyncrefit.local", "asyncrefit.ray"]
+PACKAGES = [
+    "asyncrefit",
+    "asyncrefit.transport",
+    "asyncrefit.local",
+    "asyncrefit.ray",
+    "asyncrefit.vllm",
+]
 
 
 def defined_names(module: types.ModuleType) -> set[str]:

@@ -1,0 +1,824 @@
+"""The coordinator's side of a vLLM engine: one :class:`VLLMWorker` per vLLM worker.
+
+A vLLM engine of tensor-parallel size N has N workers (ranks), and its RPCs are
+collective: ``collective_rpc`` and ``update_weights`` run on every rank with the same
+arguments. The coordinator, though, addresses each worker on its own (filtered handles,
+per-worker acks). :class:`_EngineLink` bridges the two: when every rank's
+:class:`VLLMWorker` has asked for the same step (a bucket, a commit, ...), it writes
+each rank's request on that rank's own channel and sends the engine one trigger RPC
+carrying only a request id; each rank answers on its channel. With N = 1 a step runs
+as soon as it is asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+import anyio
+from anyio.abc import SocketStream
+
+from .._device import DeviceId
+from .._exceptions import (
+    AsyncRefitError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerRemoteError,
+    WorkerTimeoutError,
+    primary_error,
+)
+from .._messages import (
+    AbortUpdate,
+    BeginUpdate,
+    BucketAck,
+    CommitUpdate,
+    DeviceReply,
+    Done,
+    ErrorReply,
+    GetSpecs,
+    GetVersion,
+    LoadBucket,
+    ReleaseHandles,
+    Reply,
+    ReportDevice,
+    Request,
+    SpecsReply,
+    VersionReply,
+    encode,
+)
+from .._plan import ParamSpec
+from ..local._framing import FrameReader
+from ..transport._base import Handle
+from ._wire import BACKEND, EXTENSION, SERVE_METHOD, Aborted, Hello, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+PauseMode = Literal["abort", "wait", "keep"]
+_Answer = Reply | Aborted
+_PAUSE_MODES = ("abort", "wait", "keep")
+
+_SEND_TIMEOUT = 30.0
+
+
+class EngineConfigError(AsyncRefitError):
+    """The vLLM engine was not started with asyncrefit's engine arguments."""
+
+
+class EngineLoopError(AsyncRefitError):
+    """An ``AsyncLLM`` was used from an event loop other than the one that owns it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelStatistics:
+    """What one vLLM worker received through its asyncrefit channel, in bytes as sent.
+
+    ``load_bytes`` and ``last_load_bytes`` count the frames carrying buckets (all of
+    them, and the last one): the bytes of handles a worker receives, framing included.
+    ``trigger_bytes`` is the pickled size of the arguments of the last RPC that told
+    the worker to read its channel; vLLM sends the same trigger to every worker.
+    """
+
+    frames: int
+    bytes: int
+    load_frames: int
+    load_bytes: int
+    last_load_bytes: int
+    trigger_bytes: int
+
+
+@dataclass(slots=True)
+class _Tally:
+    frames: int = 0
+    bytes: int = 0
+    load_frames: int = 0
+    load_bytes: int = 0
+    last_load_bytes: int = 0
+    trigger_bytes: int = 0
+
+    def freeze(self) -> ChannelStatistics:
+        return ChannelStatistics(
+            frames=self.frames,
+            bytes=self.bytes,
+            load_frames=self.load_frames,
+            load_bytes=self.load_bytes,
+            last_load_bytes=self.last_load_bytes,
+            trigger_bytes=self.trigger_bytes,
+        )
+
+
+# --- the two kinds of engine -------------------------------------------------------
+
+
+class _EngineOps(Protocol):
+    """The engine-wide calls the link makes; each runs where the engine needs it."""
+
+    vllm_config: Any
+
+    async def serve(self, request_id: int) -> None: ...
+
+    async def update(self, request_id: int) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def finish(self, label: str | None) -> None: ...
+
+    async def set_label(self, label: str) -> None: ...
+
+    async def init(self, channel: str, read_timeout: float) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class _AsyncLLMOps:
+    """An ``AsyncLLM``: every call is awaited on the loop that owns the engine."""
+
+    def __init__(self, engine: Any, pause_mode: PauseMode, clear_cache: bool) -> None:
+        if pause_mode not in _PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {_PAUSE_MODES}, got {pause_mode!r}")
+        self._engine = engine
+        self.vllm_config = engine.vllm_config
+        self._mode = pause_mode
+        self._clear_cache = clear_cache
+        handler = getattr(engine, "output_handler", None)
+        # The engine's output handler task runs on the loop that owns it; an engine
+        # made outside a loop binds to the first loop that uses it: this one.
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            raise EngineLoopError("an AsyncLLM is driven from an asyncio event loop") from None
+        self._loop = handler.get_loop() if isinstance(handler, asyncio.Task) else current
+        self._check()
+
+    def _check(self) -> None:
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is not self._loop:
+            raise EngineLoopError(
+                "this AsyncLLM belongs to another event loop: await asyncrefit's calls on "
+                "the loop that created the engine (not from another thread or loop)"
+            )
+
+    async def serve(self, request_id: int) -> None:
+        self._check()
+        await self._engine.collective_rpc(SERVE_METHOD, args=(request_id,))
+
+    async def update(self, request_id: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._check()
+        await self._engine.update_weights(
+            WeightTransferUpdateRequest(update_info={"request_id": request_id})
+        )
+
+    async def start(self) -> None:
+        self._check()
+        await self._engine.start_weight_update()
+
+    async def finish(self, label: str | None) -> None:
+        self._check()
+        await self._engine.finish_weight_update(weight_version=label)
+
+    async def set_label(self, label: str) -> None:
+        self._check()
+        await self._engine.update_weight_version(label)
+
+    async def init(self, channel: str, read_timeout: float) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._check()
+        await self._engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info={"channel": channel, "timeout": read_timeout})
+        )
+
+    async def shutdown(self) -> None:
+        self._check()
+        await self._engine.shutdown_weight_transfer_engine()
+
+    async def pause(self) -> None:
+        self._check()
+        await self._engine.pause_generation(mode=self._mode, clear_cache=self._clear_cache)
+
+    async def resume(self) -> None:
+        self._check()
+        await self._engine.resume_generation()
+
+
+class _LLMOps:
+    """A synchronous ``LLM``: every call blocks, so it runs in a worker thread, one at a
+    time (``LLM`` is not thread-safe), bounded by ``timeout`` so that cancelling the
+    coordinator's wait never leaves a call running behind its back."""
+
+    def __init__(self, llm: Any, timeout: float) -> None:
+        self._llm = llm
+        self.vllm_config = llm.llm_engine.vllm_config
+        self._timeout = timeout
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def _run(self, fn: Callable[[], R]) -> R:
+        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+
+    async def _rpc(
+        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> None:
+        llm, timeout = self._llm, self._timeout
+        await self._run(lambda: llm.collective_rpc(method, timeout, args, kwargs))
+
+    async def serve(self, request_id: int) -> None:
+        await self._rpc(SERVE_METHOD, args=(request_id,))
+
+    async def update(self, request_id: int) -> None:
+        await self._rpc("update_weights", kwargs={"update_info": {"request_id": request_id}})
+
+    async def start(self) -> None:
+        await self._rpc("start_weight_update")
+
+    async def finish(self, label: str | None) -> None:
+        await self._rpc("finish_weight_update")
+        if label is not None:
+            await self.set_label(label)
+
+    async def set_label(self, label: str) -> None:
+        engine = self._llm.llm_engine
+        await self._run(lambda: engine.set_weight_version(label))
+
+    async def init(self, channel: str, read_timeout: float) -> None:
+        init_info = {"channel": channel, "timeout": read_timeout}
+        await self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    async def shutdown(self) -> None:
+        await self._rpc("shutdown_weight_transfer_engine")
+
+    async def pause(self) -> None:
+        pass  # an LLM generates only inside its own blocking calls: nothing to pause
+
+    async def resume(self) -> None:
+        pass
+
+
+# --- error translation -------------------------------------------------------------
+
+
+def _translate(exc: BaseException, name: str) -> WorkerError:
+    """``exc`` (from vLLM, or from another rank's step) as a typed error of ``name``."""
+    if isinstance(exc, WorkerRemoteError):
+        return WorkerRemoteError(name, exc.remote_type, exc.remote_message)
+    if isinstance(exc, WorkerError):
+        return type(exc)(name, exc.detail)
+    if isinstance(exc, TimeoutError):
+        return WorkerTimeoutError(name, f"the vLLM engine timed out: {exc}")
+    if type(exc).__name__ == "EngineDeadError":
+        return WorkerDiedError(name, f"the vLLM engine died: {exc}")
+    if isinstance(exc, Exception):
+        return WorkerRemoteError(name, type(exc).__name__, str(exc))
+    return WorkerRemoteError(name, "Interrupted", "the engine-wide step was interrupted")
+
+
+def _reply_of(reply: _Answer, name: str, kind: type[R]) -> R:
+    if isinstance(reply, ErrorReply):
+        raise WorkerRemoteError(name, reply.type, reply.message)
+    if not isinstance(reply, kind):
+        raise WorkerRemoteError(
+            name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"
+        )
+    return reply
+
+
+# --- the link ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Gather:
+    """One engine-wide step, waiting for every rank to ask for it."""
+
+    requests: dict[int, Request] = field(default_factory=dict)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    replies: dict[int, _Answer] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+class _EngineLink:
+    """Channels to every worker of one engine, and the engine-wide steps over them."""
+
+    def __init__(self, ops: _EngineOps, name: str, rpc_timeout: float, cleanup: float) -> None:
+        self._ops = ops
+        self.name = name
+        self._rpc_timeout = rpc_timeout
+        self._cleanup = cleanup
+        config = ops.vllm_config
+        self._check_config(config)
+        self.world = int(config.parallel_config.world_size)
+        self._streams: dict[int, SocketStream] = {}
+        self._readers: dict[int, FrameReader] = {}
+        self._tally = [_Tally() for _ in range(self.world)]
+        self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
+        self._session_lock = anyio.Lock()  # begin, commit and abort
+        self._next_id = 0
+        self._gathers: dict[tuple[Any, ...], _Gather] = {}
+        self._session: int | None = None
+        self._paused = False
+        self._dead: str | None = None
+        self._dir: str | None = None
+        self.workers = [VLLMWorker(self, rank) for rank in range(self.world)]
+
+    def __repr__(self) -> str:
+        state = f"dead ({self._dead})" if self._dead else "alive"
+        return (
+            f"<vLLM engine link {self.name!r} ranks={self.world} session={self._session} "
+            f"paused={self._paused} {state}>"
+        )
+
+    @staticmethod
+    def _check_config(config: Any) -> None:
+        transfer = config.weight_transfer_config
+        parallel = config.parallel_config
+        if transfer is None or transfer.backend != BACKEND:
+            raise EngineConfigError(
+                f"the vLLM engine's weight_transfer_config backend is "
+                f"{None if transfer is None else transfer.backend!r}, not {BACKEND!r}: "
+                "start it with **asyncrefit.vllm.engine_args()"
+            )
+        if not parallel.worker_extension_cls:
+            raise EngineConfigError(
+                f"the vLLM engine has no worker_extension_cls ({EXTENSION!r} or a subclass): "
+                "start it with **asyncrefit.vllm.engine_args()"
+            )
+        if int(getattr(parallel, "data_parallel_size", 1)) != 1:
+            raise EngineConfigError("data parallel vLLM engines are not supported yet")
+
+    def worker_name(self, rank: int) -> str:
+        return f"{self.name}/rank-{rank}"
+
+    def statistics(self, rank: int) -> ChannelStatistics:
+        return self._tally[rank].freeze()
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Listen on a fresh socket, have every rank connect to it, match ranks."""
+        self._dir = tempfile.mkdtemp(prefix="asyncrefit-vllm-")
+        path = os.path.join(self._dir, "channel.sock")
+        listener = await anyio.create_unix_listener(path)
+        try:
+            with anyio.fail_after(self._rpc_timeout):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._ops.init, path, self._rpc_timeout)
+                    for _ in range(self.world):
+                        await self._accept(await listener.accept())
+        except TimeoutError:
+            raise WorkerTimeoutError(
+                self.name, f"the engine's workers did not connect within {self._rpc_timeout} s"
+            ) from None
+        except BaseExceptionGroup as group:
+            primary = primary_error(group)
+            if primary is None:
+                raise
+            raise _translate(primary, self.name) from primary
+        finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+
+    async def _accept(self, stream: SocketStream) -> None:
+        reader = FrameReader(stream)
+        try:
+            _, hello = unpack(await reader.receive())
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world:
+            await stream.aclose()
+            raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
+        if hello.rank in self._streams:
+            await stream.aclose()
+            raise WorkerRemoteError(self.name, "ProtocolError", f"rank {hello.rank} twice")
+        self._streams[hello.rank] = stream
+        self._readers[hello.rank] = reader
+
+    async def aclose(self) -> None:
+        """End an open session (resuming generation), release the workers' channels.
+
+        Shielded from cancellation and bounded by the cleanup timeout; errors of an
+        engine that is gone are logged.
+        """
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._cleanup):
+                try:
+                    async with self._session_lock:
+                        await self._abort_locked()  # resumes generation, even if dead
+                    if self._dead is None and len(self._streams) == self.world:
+                        await self._ops.shutdown()
+                except Exception as exc:
+                    logger.warning("engine %s: closing its channels failed: %s", self.name, exc)
+            for stream in self._streams.values():
+                await stream.aclose()
+            self._streams.clear()
+            self._readers.clear()
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+            if self._dead is None:
+                self._dead = "closed"
+
+    # --- one exchange: frames on every rank's channel, one trigger ------------------
+
+    async def _send(self, rank: int, request_id: int, request: Request) -> None:
+        data = pack(request_id, request)
+        # A frame cut in half would corrupt the channel: finish sending it even when
+        # cancelled (frames are small), but not forever.
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(_SEND_TIMEOUT) as scope:
+                try:
+                    await self._streams[rank].send(data)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    self._dead = f"rank {rank}'s channel broke"
+                    raise WorkerDiedError(self.worker_name(rank), self._dead) from None
+        if scope.cancelled_caught:
+            self._dead = f"sending to rank {rank} timed out"
+            raise WorkerTimeoutError(self.worker_name(rank), self._dead)
+        tally = self._tally[rank]
+        tally.frames += 1
+        tally.bytes += len(data)
+        if isinstance(request, LoadBucket):
+            tally.load_frames += 1
+            tally.load_bytes += len(data)
+            tally.last_load_bytes = len(data)
+
+    async def _receive(self, rank: int, request_id: int, replies: dict[int, _Answer]) -> None:
+        reader = self._readers[rank]
+        while True:
+            try:
+                payload = await reader.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._dead = f"rank {rank} closed its channel"
+                raise WorkerDiedError(self.worker_name(rank), self._dead) from None
+            got, reply = unpack(payload)
+            if got == request_id:
+                replies[rank] = reply
+                return
+            if got > request_id:
+                raise WorkerRemoteError(
+                    self.worker_name(rank), "ProtocolError", f"reply {got} before {request_id}"
+                )
+            # else: the late reply to a request whose caller was cancelled: drop it
+
+    async def _exchange(
+        self, requests: Mapping[int, Request], via: Literal["serve", "update"]
+    ) -> dict[int, _Answer]:
+        """Write each rank's request on its channel, trigger them all, gather replies.
+
+        ``via`` is the trigger: ``"update"`` is vLLM's ``update_weights`` (inside a
+        weight-update session), ``"serve"`` the extension's ``collective_rpc`` method.
+        """
+        trigger: Callable[[int], Coroutine[Any, Any, None]]
+        if via == "update":
+            trigger, payload = self._ops.update, "update_info"
+        else:
+            trigger, payload = self._ops.serve, "args"
+        async with self._lock:
+            if self._dead is not None:
+                raise WorkerDiedError(self.name, self._dead)
+            self._next_id += 1
+            request_id = self._next_id
+            for rank, request in requests.items():
+                await self._send(rank, request_id, request)
+            # What vLLM carries to every worker: the update_info dict, or the args.
+            arguments: object = (
+                {"request_id": request_id} if payload == "update_info" else (request_id,)
+            )
+            trigger_bytes = len(encode(arguments))
+            for tally in self._tally:
+                tally.trigger_bytes = trigger_bytes
+            replies: dict[int, _Answer] = {}
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(trigger, request_id)
+                    for rank in requests:
+                        tg.start_soon(self._receive, rank, request_id, replies)
+            except BaseExceptionGroup as group:
+                primary = primary_error(group)
+                if primary is None:
+                    raise
+                raise primary from None
+            return replies
+
+    # --- engine-wide steps, gathered from every rank ---------------------------------
+
+    async def _gathered(
+        self,
+        key: tuple[Any, ...],
+        rank: int,
+        request: Request,
+        run: Callable[[dict[int, Request]], Awaitable[dict[int, _Answer]]],
+    ) -> _Answer:
+        gather = self._gathers.get(key)
+        if gather is None:
+            gather = self._gathers[key] = _Gather()
+        if rank in gather.requests:
+            raise AsyncRefitError(f"{self.worker_name(rank)} asked for step {key} twice")
+        gather.requests[rank] = request
+        if len(gather.requests) < self.world:
+            await gather.done.wait()
+        else:
+            del self._gathers[key]
+            try:
+                gather.replies = await run(dict(gather.requests))
+            except BaseException as exc:
+                gather.error = exc
+                if isinstance(exc, Exception):
+                    raise _translate(exc, self.worker_name(rank)) from exc
+                raise
+            finally:
+                gather.done.set()
+        if gather.error is not None:
+            raise _translate(gather.error, self.worker_name(rank)) from gather.error
+        return gather.replies[rank]
+
+    def _drop_gathers(self) -> None:
+        """Wake ranks still waiting for steps that will never run (a push ended)."""
+        gathers, self._gathers = self._gathers, {}
+        for gather in gathers.values():
+            gather.error = AsyncRefitError("the push ended before every rank asked for this step")
+            gather.done.set()
+
+    async def serve(self, rank: int, request: Request) -> _Answer:
+        """A request outside weight updates (device, specs, version, release).
+
+        These carry no handles and change no weights, so the same request goes to
+        every rank (the trigger reaches every rank anyway) and no rank waits for the
+        others to ask: any worker may be asked on its own.
+        """
+        try:
+            replies = await self._exchange(dict.fromkeys(range(self.world), request), "serve")
+        except Exception as exc:
+            raise _translate(exc, self.worker_name(rank)) from exc
+        return replies[rank]
+
+    async def begin(self, rank: int, version: int) -> _Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+            async with self._session_lock:
+                if self._session is not None:  # an earlier push was never ended
+                    await self._abort_locked()
+                self._drop_gathers()
+                self._paused = True  # set first: an abort then resumes whatever happened
+                await self._ops.pause()
+                await self._ops.start()
+                self._session = version
+                return await self._exchange(requests, "update")
+
+        return await self._gathered(("begin", version), rank, BeginUpdate(version=version), run)
+
+    async def load(self, rank: int, request: LoadBucket) -> _Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+            return await self._exchange(requests, "update")
+
+        key = ("load", request.version, request.bucket)
+        return await self._gathered(key, rank, request, run)
+
+    async def commit(self, rank: int, version: int, buckets: int) -> _Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+            async with self._session_lock:
+                if self._session != version:
+                    raise AsyncRefitError(f"version {version} is not being received")
+                replies = await self._exchange(requests, "update")
+                failed = {r: e for r, e in replies.items() if isinstance(e, ErrorReply)}
+                if failed:
+                    # All or nothing: no rank may count as committed while the session
+                    # stays open (the coordinator aborts it).
+                    bad, error = min(failed.items())
+                    peer = ErrorReply(
+                        type="PeerCommitError",
+                        message=f"rank {bad} could not commit: {error.type}: {error.message}",
+                    )
+                    return {r: failed.get(r, peer) for r in replies}
+                await self._ops.finish(str(version))
+                self._session = None
+                self._paused = False
+                await self._ops.resume()
+                return replies
+
+        request = CommitUpdate(version=version, buckets=buckets)
+        return await self._gathered(("commit", version), rank, request, run)
+
+    async def abort(self, rank: int, version: int) -> None:
+        """End the engine's session, whichever rank asks first; never waits for others.
+
+        Returns once no rank reads a trainer buffer any more. Generation is resumed
+        whatever else fails; failures to end vLLM's session or to resume are logged.
+        """
+        async with self._session_lock:
+            await self._abort_locked()
+
+    async def _abort_locked(self) -> None:
+        self._drop_gathers()
+        unconfirmed: Exception | None = None
+        if self._session is not None:
+            version, self._session = self._session, None
+            written = True  # unless every rank says otherwise
+            try:
+                ranks = range(self.world)
+                replies = await self._exchange(
+                    {r: AbortUpdate(version=version) for r in ranks}, "serve"
+                )
+                # Any reply, an error included, comes after every earlier request of
+                # that rank was handled: no rank reads a trainer buffer any more.
+                written = not all(
+                    isinstance(reply, Aborted) and not reply.written for reply in replies.values()
+                )
+            except Exception as exc:
+                unconfirmed = exc
+            try:
+                await self._ops.finish(None)
+            except Exception as exc:
+                logger.error("engine %s: ending vLLM's weight update failed: %s", self.name, exc)
+            if written:
+                try:  # outputs must not claim a version the engine no longer holds whole
+                    await self._ops.set_label(f"incomplete-{version}")
+                except Exception as exc:
+                    logger.error("engine %s: relabelling failed: %s", self.name, exc)
+        if self._paused:
+            try:
+                await self._ops.resume()
+                self._paused = False
+            except Exception as exc:
+                logger.error("engine %s: resuming generation failed: %s", self.name, exc)
+        if unconfirmed is not None:
+            raise unconfirmed
+
+
+class VLLMWorker:
+    """One vLLM worker (one rank of one engine), as the coordinator sees it.
+
+    Implements :class:`asyncrefit.Worker`. Made by :func:`connect_async_llm` or
+    :func:`connect_llm`, one per rank. Each rank is sent only its own device's handle,
+    on its own channel; the engine-wide RPC that tells the workers to read their
+    channels carries only a request id. Steps that vLLM runs on every rank at once
+    (begin, each bucket, commit) run when every rank's worker has asked for them, so
+    the workers of one engine must be pushed to together (the coordinator does).
+
+    A push pauses generation at begin (``AsyncLLM``, in the mode given), starts vLLM's
+    weight update, loads every bucket through ``update_weights``, finishes the update
+    with the version as the engine's weight version, and resumes generation.
+
+    Error handling: a failure inside the worker raises :class:`WorkerRemoteError`
+    naming this worker; a dead engine or broken channel :class:`WorkerDiedError`. An
+    abort (which the coordinator sends after any failure) ends vLLM's update session
+    and always resumes generation; if bytes of the new version were written, the
+    engine's weight version becomes ``"incomplete-<version>"``.
+    """
+
+    def __init__(self, link: _EngineLink, rank: int) -> None:
+        self._link = link
+        self._rank = rank
+        self._name = link.worker_name(rank)
+
+    def __repr__(self) -> str:
+        return f"<VLLMWorker {self._name!r} rank={self._rank}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def statistics(self) -> ChannelStatistics:
+        """Bytes this worker's channel carried so far (handles included)."""
+        return self._link.statistics(self._rank)
+
+    async def report_device_id_async(self) -> DeviceId:
+        """Asks the vLLM worker, through ``collective_rpc`` awaited on the engine's loop."""
+        reply = await self._link.serve(self._rank, ReportDevice())
+        return _reply_of(reply, self._name, DeviceReply).device
+
+    async def parameter_specs(self) -> tuple[ParamSpec, ...]:
+        """The checkpoint names, shapes and the engine's dtype the model loads."""
+        reply = await self._link.serve(self._rank, GetSpecs())
+        return _reply_of(reply, self._name, SpecsReply).specs
+
+    async def begin_update(self, version: int) -> None:
+        reply = await self._link.begin(self._rank, version)
+        _reply_of(reply, self._name, Done)
+
+    async def load_bucket(
+        self, version: int, bucket: int, handles: tuple[Handle, ...]
+    ) -> BucketAck:
+        request = LoadBucket(version=version, bucket=bucket, handles=handles)
+        return _reply_of(await self._link.load(self._rank, request), self._name, BucketAck)
+
+    async def commit_update(self, version: int, buckets: int) -> None:
+        reply = await self._link.commit(self._rank, version, buckets)
+        _reply_of(reply, self._name, Done)
+
+    async def abort_update(self, version: int) -> None:
+        try:
+            await self._link.abort(self._rank, version)
+        except Exception as exc:
+            raise _translate(exc, self._name) from exc
+
+    async def weight_version(self) -> int | None:
+        reply = await self._link.serve(self._rank, GetVersion())
+        return _reply_of(reply, self._name, VersionReply).version
+
+    async def release_handles(self) -> None:
+        reply = await self._link.serve(self._rank, ReleaseHandles())
+        _reply_of(reply, self._name, Done)
+
+
+@asynccontextmanager
+async def _connected(link: _EngineLink) -> AsyncIterator[list[VLLMWorker]]:
+    try:
+        await link.open()
+        yield list(link.workers)
+    finally:
+        await link.aclose()
+
+
+@asynccontextmanager
+async def connect_async_llm(
+    engine: Any,
+    *,
+    pause_mode: PauseMode = "keep",
+    clear_cache: bool = True,
+    name: str = "vllm",
+    rpc_timeout: float = 60.0,
+    cleanup_timeout: float = 10.0,
+) -> AsyncIterator[list[VLLMWorker]]:
+    """Connect to a running ``vllm.AsyncLLM``; yields one :class:`VLLMWorker` per rank.
+
+    Enter it on the event loop that owns ``engine`` (the loop it was created on):
+    every engine call is awaited there, and a call from another loop or thread raises
+    :class:`EngineLoopError`. The engine must have been started with
+    :func:`engine_args` (else :class:`EngineConfigError`).
+
+    Generation may go on during pushes: each push pauses it with
+    ``pause_generation(mode=pause_mode, clear_cache=clear_cache)`` — ``"abort"`` ends
+    requests in flight, ``"wait"`` lets them finish first (the coordinator's timeout
+    then bounds how long), ``"keep"`` freezes them and continues them on the new
+    weights — and resumes it when the push ends, also when it fails. ``clear_cache``
+    drops the prefix cache, whose entries were computed with the old weights.
+
+    Resource handling: entering opens one Unix socket that every rank connects to;
+    exiting ends any open update session, resumes generation, asks the workers to
+    close their channels and handle mappings (``shutdown_weight_transfer_engine``),
+    and removes the socket, shielded from cancellation and bounded by
+    ``cleanup_timeout``. It does not shut the engine down.
+
+    Error handling: :class:`EngineConfigError` and :class:`EngineLoopError` before
+    anything is sent; :class:`~asyncrefit.WorkerTimeoutError` if the workers do not
+    connect within ``rpc_timeout``; vLLM's own errors as
+    :class:`~asyncrefit.WorkerRemoteError` (a dead engine:
+    :class:`~asyncrefit.WorkerDiedError`). See :class:`VLLMWorker` for pushes.
+    """
+    link = _EngineLink(
+        _AsyncLLMOps(engine, pause_mode, clear_cache), name, rpc_timeout, cleanup_timeout
+    )
+    async with _connected(link) as workers:
+        yield workers
+
+
+@asynccontextmanager
+async def connect_llm(
+    llm: Any,
+    *,
+    name: str = "vllm",
+    rpc_timeout: float = 60.0,
+    cleanup_timeout: float = 10.0,
+) -> AsyncIterator[list[VLLMWorker]]:
+    """Connect to a ``vllm.LLM``; yields one :class:`VLLMWorker` per rank.
+
+    ``LLM`` is synchronous: each of its calls runs in a worker thread, one at a time,
+    so the coordinator's loop keeps running; each is bounded by ``rpc_timeout``. Do not
+    call ``llm.generate`` from another thread during a push: nothing pauses it. The
+    engine must have been started with :func:`engine_args`.
+
+    Resource handling and error handling: as :func:`connect_async_llm`.
+    """
+    link = _EngineLink(_LLMOps(llm, rpc_timeout), name, rpc_timeout, cleanup_timeout)
+    async with _connected(link) as workers:
+        yield workers
+
+
+def engine_args() -> dict[str, Any]:
+    """The engine arguments asyncrefit needs, for ``vllm.LLM(...)`` or ``AsyncEngineArgs``.
+
+    ``worker_extension_cls`` makes vLLM load :mod:`asyncrefit.vllm.worker` into every
+    worker (which registers the weight-transfer backend), ``weight_transfer_config``
+    selects that backend.
+    """
+    return {"worker_extension_cls": EXTENSION, "weight_transfer_config": {"backend": BACKEND}}
