@@ -19,24 +19,29 @@ from typing import Any
 from asyncrefit import _bench
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
-PLACEHOLDER = "(to be recorded)"
+SECTION = "## Refit on the CPU"
 
 
 def record(result: dict[str, Any], command: str, path: Path = RESULTS) -> None:
-    """Append a dated section with ``result``'s table and JSON to ``path``.
+    """Add a dated section with ``result``'s table and JSON to ``path``.
 
-    The placeholder line of a file without results yet is dropped.
+    It goes at the end of the CPU refit section (before the next ``## `` heading after
+    ``SECTION``), or at the end of the file when there is no such section.
     """
     m = result["machine"]
     section = (
-        f"\n### {result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n\n"
+        f"\n#### {result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n\n"
         f"`{command}`\n\n```\n{_bench.format_table(result)}\n```\n\n"
         f"<details><summary>JSON</summary>\n\n```json\n{json.dumps(result, indent=2)}\n```\n\n"
         "</details>\n"
     )
     text = path.read_text() if path.exists() else ""
-    lines = [line for line in text.splitlines(keepends=True) if line.strip() != PLACEHOLDER]
-    path.write_text("".join(lines).rstrip("\n") + "\n" + section)
+    start = text.find(SECTION)
+    end = text.find("\n## ", start + 1) if start >= 0 else -1
+    if end < 0:
+        path.write_text(text.rstrip("\n") + "\n" + section)
+    else:
+        path.write_text(text[:end].rstrip("\n") + "\n" + section + text[end:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
