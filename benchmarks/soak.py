@@ -10,6 +10,7 @@ import json
 
 import anyio
 
+from asyncrefit._loop import backend_options
 from asyncrefit._soak import run_soak
 
 MIB = 2**20
@@ -21,7 +22,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = anyio.run(run_soak, args.pushes, args.workers, backend_options={"use_uvloop": True})
+    result = anyio.run(run_soak, args.pushes, args.workers, backend_options=backend_options())
     if args.json:
         print(json.dumps(result, indent=2))
         return

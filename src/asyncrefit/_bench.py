@@ -38,6 +38,7 @@ import anyio
 from ._coordinator import RefitCoordinator
 from ._device import DeviceId, cpu_device
 from ._exceptions import PlanError
+from ._loop import backend_options
 from ._messages import LoadBucket, encode, encoded_size
 from ._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
 from ._receiver import tensor_digest
@@ -700,14 +701,6 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _backend_options() -> dict[str, Any]:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return {}
-    return {"use_uvloop": True}
-
-
 def run(
     size_mib: int,
     repeats: int,
@@ -719,7 +712,7 @@ def run(
     return anyio.run(
         functools.partial(run_bench, size_mib, repeats, threads=threads, progress=progress),
         backend="asyncio",
-        backend_options=_backend_options(),
+        backend_options=backend_options(),
     )
 
 

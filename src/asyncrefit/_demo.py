@@ -21,6 +21,7 @@ import anyio
 from ._coordinator import RefitCoordinator
 from ._demo_model import ModelConfig, build_model, copy_task_batch
 from ._exceptions import AsyncRefitError
+from ._loop import backend_options
 from ._receiver import tensor_digest
 from .local._client import LocalWorker, spawn_local_workers
 
@@ -269,14 +270,6 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _backend_options() -> dict[str, Any]:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return {}
-    return {"use_uvloop": True}
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed ``demo`` arguments; returns the exit status.
 
@@ -289,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
         run_demo, args.workers, args.steps, progress=not args.json and sys.stderr.isatty()
     )
     try:
-        result = anyio.run(run, backend="asyncio", backend_options=_backend_options())
+        result = anyio.run(run, backend="asyncio", backend_options=backend_options())
     except AsyncRefitError as exc:
         if args.json:
             print(json.dumps({"verified": False, "error": f"{type(exc).__name__}: {exc}"}))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._device import DeviceId
+from .._loop import backend_options
 from .._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -44,14 +45,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-def _backend_options() -> dict[str, Any]:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return {}
-    return {"use_uvloop": True}
 
 
 class WorkerServer:
@@ -178,4 +171,4 @@ def worker_main(
     module.eval()
     receiver = ParameterReceiver(dict(module.named_parameters()), device)
     server = WorkerServer(module, receiver, faults)
-    anyio.run(server.serve, path, backend="asyncio", backend_options=_backend_options())
+    anyio.run(server.serve, path, backend="asyncio", backend_options=backend_options())
