@@ -28,6 +28,8 @@ import pytest_asyncio
 import torch
 
 from asyncrefit import (
+    Bucket,
+    DeviceId,
     LocalTrainer,
     ParameterMismatchError,
     PlanError,
@@ -35,6 +37,7 @@ from asyncrefit import (
     RefitCoordinator,
     RefitReport,
 )
+from asyncrefit.transport import Handle
 from asyncrefit.vllm import (
     EngineConfigError,
     EngineLoopError,
@@ -342,31 +345,36 @@ async def test_async_llm_push_while_generating(
         assert (await async_generate(async_llm))[0] == greedy(model, PROMPTS, TOKENS)
 
 
+class BreakingTrainer(LocalTrainer):
+    """A trainer source that fails while exporting bucket ``break_at`` (when set)."""
+
+    break_at: int | None = None
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        if bucket.index == self.break_at:
+            raise RuntimeError(f"trainer lost while packing bucket {bucket.index}")
+        return await super().export(bucket, slot, devices)
+
+
 async def test_async_llm_failed_push_resumes_and_is_honest(
     async_llm: AsyncLLM, checkpoint: Path
 ) -> None:
     model = load_trainer(checkpoint)
     perturb(model, seed=300)
-    tensors = dict(model.named_parameters())
-    reads = 0
-    break_at = -1
-
-    def read() -> Mapping[str, torch.Tensor]:
-        # The trainer is read once per push to plan, then once per bucket to pack.
-        nonlocal reads
-        reads += 1
-        return {} if reads == break_at else tensors
+    trainer = BreakingTrainer(dict(model.named_parameters()))
 
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     async with (
         connect_async_llm(async_llm, pause_mode="keep") as workers,
-        RefitCoordinator(trainer=LocalTrainer(read), workers=workers, budget_bytes=BUDGET) as refit,
+        RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=BUDGET) as refit,
     ):
         await refit.push(1)
         served = await async_generate(async_llm)
         # Break the third bucket of the next push: buckets of version 2 reach the
         # engine first, then the push fails.
-        break_at = reads + 4
+        trainer.break_at = 2
         outputs: list[RequestOutput] = []
 
         async def request(started: anyio.Event) -> None:
@@ -387,6 +395,7 @@ async def test_async_llm_failed_push_resumes_and_is_honest(
         assert await async_llm.get_weight_version() == "incomplete-2"
         assert refit.statistics().in_use == 0 and not refit.quarantined_slots()
         # the next push makes it whole again
+        trainer.break_at = None
         await refit.push(3)
         assert await async_generate(async_llm) == (served[0], {"3"})
 
