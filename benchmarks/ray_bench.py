@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import ray
 import torch
 
 from asyncrefit import RefitCoordinator
+from asyncrefit._bench import machine_info
 from asyncrefit._receiver import tensor_digest
 from asyncrefit.ray import RayTrainerSource, RayWorker, RefitTrainerMixin, RefitWorkerMixin
 
@@ -69,22 +69,8 @@ class BenchWorker(RefitWorkerMixin):
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-        "python": platform.python_version(),
-    }
+    """The bench's machine description, plus Ray's version."""
+    return {**machine_info(), "ray": ray.__version__}
 
 
 async def measure(
