@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
+from asyncrefit.transport import SharedMemoryExporter
+
 from .helpers import child_pids, own_segments
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -40,3 +42,13 @@ def no_leaks() -> Iterator[None]:
     leaked_children = child_pids() - children_before
     assert not leaked_segments, f"shared memory segments left behind: {leaked_segments}"
     assert not leaked_children, f"child processes left behind: {leaked_children}"
+
+
+@pytest.fixture
+def exporter() -> Iterator[SharedMemoryExporter]:
+    """A shared-memory exporter, closed (segments unlinked) after the test."""
+    ex = SharedMemoryExporter()
+    try:
+        yield ex
+    finally:
+        ex.close()

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Sequence
 
+import torch
+
+from asyncrefit._receiver import tensor_digest
+from asyncrefit.local import LocalWorker
 from asyncrefit.transport.shm import list_segments
 
 
@@ -35,3 +40,27 @@ def child_pids() -> set[int]:
         if not zombie and not helper:
             alive.add(pid)
     return alive
+
+
+def digests(module: torch.nn.Module) -> dict[str, str]:
+    """A digest of each parameter's bytes, by name."""
+    return {name: tensor_digest(p) for name, p in module.named_parameters()}
+
+
+def step(module: torch.nn.Module, seed: int) -> None:
+    """A stand-in for an optimizer step: change every parameter in place (any device)."""
+    device = next(module.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, device=device).to(p.dtype))
+
+
+async def assert_hold(
+    workers: Sequence[LocalWorker], module: torch.nn.Module, version: int
+) -> None:
+    """Every worker holds ``module``'s bytes, complete, as ``version``."""
+    want = digests(module)
+    for w in workers:
+        assert await w.parameter_digests() == want, w.name
+        assert await w.weight_version() == version, w.name

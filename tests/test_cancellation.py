@@ -10,25 +10,17 @@ from __future__ import annotations
 import asyncio
 
 import anyio
-import torch
 from anyio.lowlevel import checkpoint
 
 from asyncrefit import RefitCoordinator, SharedParameterTrainer, cpu_device
 from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import LocalWorker, WorkerFaults, spawn_local_workers
+from asyncrefit.local import WorkerFaults, spawn_local_workers
 
 from .fakes import FakeWorker
-from .helpers import own_segments
+from .helpers import assert_hold, digests, own_segments, step
 from .models import make_mlp
 
 KIB = 1024
-
-
-def step(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen))
 
 
 async def push_cancelled_after(refit: RefitCoordinator, version: int, k: int) -> bool:
@@ -137,20 +129,7 @@ async def test_cancel_at_scheduling_points_with_processes() -> None:
                 version += 1
                 history[version] = history[version - 1]
                 await refit.push(version)
-                await assert_workers_hold(workers, model, version)
+                await assert_hold(workers, model, version)
                 k += 3  # processes are slow to cycle: every third point
-            await assert_workers_hold(workers, model, version)
+            await assert_hold(workers, model, version)
             assert k >= 6
-
-
-def digests(model: torch.nn.Module) -> dict[str, str]:
-    return {n: tensor_digest(p) for n, p in model.named_parameters()}
-
-
-async def assert_workers_hold(
-    workers: list[LocalWorker], model: torch.nn.Module, version: int
-) -> None:
-    want = {n: tensor_digest(p) for n, p in model.named_parameters()}
-    for w in workers:
-        assert await w.weight_version() == version
-        assert await w.parameter_digests() == want

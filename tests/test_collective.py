@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from asyncrefit import (
     DeviceId,
@@ -18,8 +17,7 @@ from asyncrefit import (
     WorkerDiedError,
     WorkerRemoteError,
 )
-from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import LocalWorker, WorkerFaults, spawn_local_workers
+from asyncrefit.local import WorkerFaults, spawn_local_workers
 from asyncrefit.transport._base import make_importer
 from asyncrefit.transport.collective import (
     CollectiveHandle,
@@ -28,30 +26,12 @@ from asyncrefit.transport.collective import (
     local_address_towards,
 )
 
-from .helpers import own_segments
+from .helpers import assert_hold, digests, own_segments, step
 from .models import make_mlp
 
 KIB = 1024
 #: Generous: this machine may be loaded, and a timeout that fires early fails a test.
 TIMEOUT = 30.0
-
-
-def digests(module: torch.nn.Module) -> dict[str, str]:
-    return {name: tensor_digest(p) for name, p in module.named_parameters()}
-
-
-def step(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype))
-
-
-async def assert_hold(workers: list[LocalWorker], module: torch.nn.Module, version: int) -> None:
-    want = digests(module)
-    for w in workers:
-        assert await w.parameter_digests() == want, w.name
-        assert await w.weight_version() == version, w.name
 
 
 def far(i: int) -> DeviceId:

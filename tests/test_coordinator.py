@@ -26,18 +26,10 @@ from asyncrefit import (
 )
 
 from .fakes import FakeWorker, Faults
-from .helpers import own_segments
+from .helpers import own_segments, step
 from .models import make_mixed, make_mlp, make_mlp_wide
 
 KIB = 1024
-
-
-def perturb(module: torch.nn.Module, seed: int) -> None:
-    """A stand-in for an optimizer step: change every parameter in place."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype))
 
 
 def fakes(module: torch.nn.Module, devices: int, **faults: Faults) -> list[FakeWorker]:
@@ -51,7 +43,7 @@ async def test_push_copies_bitwise_and_reports() -> None:
     workers = fakes(model, 2)
     async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
         for version in (1, 2, 3):
-            perturb(model, version)
+            step(model, version)
             report = await refit.push(version)
             assert all(w.equals(model) for w in workers)
             assert [await w.weight_version() for w in workers] == [version, version]
@@ -226,7 +218,7 @@ async def test_worker_failure_mid_push(fault: Faults, cause: type[Exception]) ->
     async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
         await refit.push(1)
         workers[1].faults = fault
-        perturb(model, 2)
+        step(model, 2)
         with pytest.raises(PushError) as info:
             await refit.push(2)
         err = info.value
@@ -300,7 +292,7 @@ async def test_slots_are_reused_only_after_every_ack() -> None:
     ) as refit:
         assert refit.plan is not None and len(refit.plan.buckets) >= 4
         for version in (1, 2):
-            perturb(model, version)
+            step(model, version)
             report = await refit.push(version)
             assert all(w.equals(model) for w in workers)
             assert report.peak_budget_bytes <= refit.statistics().capacity
@@ -344,7 +336,7 @@ async def test_add_worker_joins_later_pushes() -> None:
         assert refit.versions()["late"] is None
         with pytest.raises(DuplicateWorkerError):
             await refit.add_worker(late)
-        perturb(model, 2)
+        step(model, 2)
         await refit.push(2)
         assert late.equals(model) and first.equals(model)
         wide = FakeWorker.like("wide", cpu_device(2), make_mlp_wide())

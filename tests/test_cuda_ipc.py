@@ -28,12 +28,12 @@ from asyncrefit import (
     plan_buckets,
 )
 from asyncrefit._cuda import cuda_device, cuda_index, index_of_uuid, normalize_uuid
-from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import LocalWorker, WorkerFaults, spawn_local_workers
+from asyncrefit.local import WorkerFaults, spawn_local_workers
 from asyncrefit.transport import make_importer
 from asyncrefit.transport.cuda_ipc import CudaIpcExporter, CudaIpcHandle, CudaIpcImporter
 
 from .gpu_models import MEDIUM_BYTES, make_gpu_medium, make_gpu_mixed, make_gpu_mlp
+from .helpers import assert_hold, step
 
 MIB = 2**20
 HAS_CUDA = torch.cuda.is_available()
@@ -42,24 +42,6 @@ needs_gpu = pytest.mark.skipif(
 )
 UUID = "3f1b6c2a-0d4e-4f7a-9b1c-2e3d4c5b6a79"  # the form torch reports
 OTHER = "GPU-00000000-0000-0000-0000-000000000000"
-
-
-def digests(module: torch.nn.Module) -> dict[str, str]:
-    return {name: tensor_digest(p) for name, p in module.named_parameters()}
-
-
-def step(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, device=p.device).to(p.dtype))
-
-
-async def assert_hold(workers: list[LocalWorker], module: torch.nn.Module, version: int) -> None:
-    want = digests(module)
-    for w in workers:
-        assert await w.parameter_digests() == want, w.name
-        assert await w.weight_version() == version, w.name
 
 
 # --- no GPU needed ----------------------------------------------------------------------

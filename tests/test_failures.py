@@ -26,6 +26,7 @@ from asyncrefit.local import WorkerFaults, spawn_local_workers
 from asyncrefit.transport import Handle, SharedMemoryExporter
 
 from .fakes import FakeWorker, Faults
+from .helpers import step
 from .models import make_mlp
 
 KIB = 1024
@@ -44,13 +45,6 @@ class PoisoningExporter(SharedMemoryExporter):
         buffer.fill_(POISON)
         self.packs.append(slot)
         return buffer
-
-
-def step(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen))
 
 
 async def test_a_slot_is_not_reused_while_a_timed_out_worker_may_still_read_it() -> None:

@@ -15,31 +15,12 @@ from asyncrefit import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import LocalWorker, WorkerFaults, spawn_local_workers
+from asyncrefit.local import WorkerFaults, spawn_local_workers
 
-from .helpers import child_pids, own_segments
+from .helpers import assert_hold, child_pids, digests, own_segments, step
 from .models import make_mixed, make_mlp, make_mlp_wide
 
 KIB = 1024
-
-
-def digests(module: torch.nn.Module) -> dict[str, str]:
-    return {name: tensor_digest(p) for name, p in module.named_parameters()}
-
-
-def step(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype))
-
-
-async def assert_hold(workers: list[LocalWorker], module: torch.nn.Module, version: int) -> None:
-    want = digests(module)
-    for w in workers:
-        assert await w.parameter_digests() == want, w.name
-        assert await w.weight_version() == version, w.name
 
 
 async def test_real_refit_is_bitwise_equal_over_three_pushes() -> None:

@@ -241,15 +241,6 @@ def push(
 
 
 @pytest.fixture
-def exporter() -> Iterator[SharedMemoryExporter]:
-    ex = SharedMemoryExporter()
-    try:
-        yield ex
-    finally:
-        ex.close()
-
-
-@pytest.fixture
 def importer() -> Iterator[SharedMemoryImporter]:
     imp = SharedMemoryImporter()
     try:

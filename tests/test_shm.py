@@ -46,15 +46,6 @@ def dead_pid() -> int:
 
 
 @pytest.fixture
-def exporter() -> Iterator[SharedMemoryExporter]:
-    ex = SharedMemoryExporter()
-    try:
-        yield ex
-    finally:
-        ex.close()
-
-
-@pytest.fixture
 def importer() -> Iterator[SharedMemoryImporter]:
     imp = SharedMemoryImporter(max_cached=2)
     try:
