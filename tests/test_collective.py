@@ -216,13 +216,6 @@ def ray_actors() -> Iterator[list[Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug (open, issue 7): Ray may run an async actor's load_bucket calls out "
-    "of bucket order; the root broadcasts in order, so a receive posted for bucket k+1 can "
-    "get bucket k's message and gloo aborts the actor ('op.preamble.length <= op.n'). "
-    "Fix: RefitWorkerMixin takes loads in bucket order per version.",
-)
 async def test_ray_actors_on_another_node_receive_the_broadcast(ray_actors: list[Any]) -> None:
     from asyncrefit.ray import RayWorker
 

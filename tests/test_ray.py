@@ -24,13 +24,17 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from asyncrefit import (  # noqa: E402
+    AsyncRefitError,
     DeviceId,
+    LocalTrainer,
     PushError,
     RefitCoordinator,
     UnknownDeviceError,
     WorkerDiedError,
+    cpu_device,
+    plan_buckets,
 )
-from asyncrefit._exceptions import primary_error  # noqa: E402
+from asyncrefit._exceptions import one_error, primary_error  # noqa: E402
 from asyncrefit.ray import (  # noqa: E402
     AwaitableReturnedError,
     RayTrainerSource,
@@ -468,3 +472,52 @@ async def test_trainer_actor_killed_mid_push_its_segments_are_swept(pool: Pool) 
         assert isinstance(again, SourceDiedError) and again.source == "doomed"
     # closing found the actor dead and swept its segments on its node
     assert segments_of({trainer_pid}) == []
+
+
+# --- bucket order on the worker side (no cluster needed) ---------------------------------
+
+
+class _PlainWorker(RefitWorkerMixin):
+    """The mixin on a plain object: its methods are awaited directly, in any order."""
+
+    def __init__(self) -> None:
+        self.model = make_mlp()
+        self.init_refit(self.model, device=cpu_device(0))
+
+
+async def test_loads_are_taken_in_bucket_order_whatever_order_they_arrive_in() -> None:
+    """Ray may run an actor's calls in any order; a broadcast must be received in order."""
+    source_model = make_mlp()
+    trainer = LocalTrainer(source_model)
+    await trainer.describe()
+    plan = plan_buckets(trainer.specs(), 16 * KIB)
+    assert len(plan.buckets) >= 3
+    await trainer.prepare(plan, len(plan.buckets), plan.max_bucket_bytes)
+    worker = _PlainWorker()
+    try:
+        handles = [await trainer.export(b, b.index, [cpu_device(0)]) for b in plan.buckets]
+        done: list[int] = []
+
+        async def load(i: int) -> None:
+            await worker.refit_load(1, i, handles[i])
+            done.append(i)
+
+        await worker.refit_begin(1)
+        async with anyio.create_task_group() as tg:
+            for i in reversed(range(len(plan.buckets))):  # last bucket first
+                tg.start_soon(load, i)
+                await anyio.wait_all_tasks_blocked()
+        assert done == list(range(len(plan.buckets)))
+        await worker.refit_commit(1, len(plan.buckets))
+        assert await worker.refit_weight_version() == 1
+
+        # an abort releases a load still waiting for its turn, with a typed error
+        await worker.refit_begin(2)
+        with pytest.raises(AsyncRefitError, match="aborted"), one_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker.refit_load, 2, 1, handles[1])
+                await anyio.wait_all_tasks_blocked()
+                await worker.refit_abort(2)
+    finally:
+        await worker.refit_release_handles()
+        await trainer.aclose()

@@ -109,6 +109,11 @@ class RefitWorkerMixin:
     _refit_device_: DeviceId | None = None
     _refit_lock_: anyio.Lock | None = None
     _refit_limiter_: anyio.CapacityLimiter | None = None
+    # Loads are taken in bucket order: Ray may run an async actor's calls in any order,
+    # and a transport that streams buckets (a broadcast) must receive them in order.
+    _refit_turn_: anyio.Condition | None = None
+    _refit_next_: int = 0
+    _refit_epoch_: int = 0
     _refit_method_names: ClassVar[tuple[str, ...]] = WORKER_METHODS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -155,6 +160,19 @@ class RefitWorkerMixin:
             )
         return self._refit_receiver_
 
+    def _refit_order(self) -> anyio.Condition:
+        if self._refit_turn_ is None:
+            self._refit_turn_ = anyio.Condition()
+        return self._refit_turn_
+
+    async def _refit_restart_order(self) -> None:
+        """A new push (or an abort): bucket 0 is next; loads still waiting give up."""
+        turn = self._refit_order()
+        async with turn:
+            self._refit_next_ = 0
+            self._refit_epoch_ += 1
+            turn.notify_all()
+
     def _refit_sync(self) -> tuple[anyio.Lock, anyio.CapacityLimiter]:
         # Made on first use, on the actor's loop (``__init__`` may run elsewhere).
         if self._refit_lock_ is None or self._refit_limiter_ is None:
@@ -197,15 +215,33 @@ class RefitWorkerMixin:
         lock, _ = self._refit_sync()
         async with lock:
             self.refit_receiver.begin(version)
+        await self._refit_restart_order()
 
     async def refit_load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         """Copy one bucket (in a thread); returns once every view of the buffer is dropped."""
         lock, limiter = self._refit_sync()
         receiver = self.refit_receiver
-        async with lock:
-            return await anyio.to_thread.run_sync(
-                receiver.load, version, bucket, handles, limiter=limiter
-            )
+        turn = self._refit_order()
+        epoch = self._refit_epoch_
+        async with turn:
+            while self._refit_next_ != bucket:
+                if self._refit_epoch_ != epoch:
+                    raise AsyncRefitError(
+                        f"bucket {bucket} of version {version} waited for its turn, "
+                        "but the push was aborted"
+                    )
+                await turn.wait()
+        try:
+            async with lock:
+                return await anyio.to_thread.run_sync(
+                    receiver.load, version, bucket, handles, limiter=limiter
+                )
+        finally:
+            with anyio.CancelScope(shield=True):
+                async with turn:
+                    if self._refit_epoch_ == epoch:
+                        self._refit_next_ = bucket + 1  # also after a failure: fail fast
+                    turn.notify_all()
 
     async def refit_commit(self, version: int, buckets: int) -> None:
         lock, _ = self._refit_sync()
@@ -214,6 +250,7 @@ class RefitWorkerMixin:
 
     async def refit_abort(self, version: int) -> None:
         """Give ``version`` up; answered after any copy still running has finished."""
+        await self._refit_restart_order()
         lock, _ = self._refit_sync()
         async with lock:
             self.refit_receiver.abort(version)
