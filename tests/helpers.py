@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
+import anyio
 import torch
 
 from asyncrefit._receiver import tensor_digest
@@ -64,3 +68,23 @@ async def assert_hold(
     for w in workers:
         assert await w.parameter_digests() == want, w.name
         assert await w.weight_version() == version, w.name
+
+
+@asynccontextmanager
+async def no_loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
+    """Fail if anything reaches the running loop's exception handler inside the block.
+
+    Callbacks that fail (``Exception in callback Future.set_result ...``) never raise
+    into a task: they only reach the handler, which prints a traceback. Pending
+    callbacks get a moment to run before the check.
+    """
+    loop = asyncio.get_running_loop()
+    calls: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: calls.append(context))
+    try:
+        yield calls
+        await anyio.sleep(0.05)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not calls, [c.get("message") for c in calls]

@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-from anyio.abc import SocketStream
 
+from .._channel import FrameChannel, UnixListener
 from .._device import DeviceId, cpu_device
 from .._exceptions import (
     WorkerDiedError,
@@ -48,7 +48,6 @@ from .._messages import (
 )
 from .._plan import ParamSpec
 from ._faults import WorkerFaults
-from ._framing import FrameReader, frame
 from ._server import worker_main
 
 if TYPE_CHECKING:
@@ -81,12 +80,11 @@ class LocalWorker:
     """
 
     def __init__(
-        self, name: str, process: BaseProcess, stream: SocketStream, device: DeviceId
+        self, name: str, process: BaseProcess, channel: FrameChannel, device: DeviceId
     ) -> None:
         self._name = name
         self._process = process
-        self._stream = stream
-        self._reader = FrameReader(stream)
+        self._channel = channel
         self._device = device
         self._lock = anyio.Lock()
         self._next_id = 0
@@ -117,16 +115,14 @@ class LocalWorker:
             self._next_id += 1
             request_id = self._next_id
             try:
-                # A frame cut in half would corrupt the channel: finish sending it even
-                # when cancelled (frames are small), but not forever.
-                with anyio.CancelScope(shield=True):
-                    with anyio.move_on_after(_SEND_TIMEOUT) as scope:
-                        await self._stream.send(frame(encode((request_id, request))))
-                if scope.cancelled_caught:
+                # Shielded (a frame cut in half would corrupt the channel), bounded.
+                try:
+                    await self._channel.send(encode((request_id, request)), within=_SEND_TIMEOUT)
+                except TimeoutError:
                     await self._mark_dead("sending a request timed out")
-                    raise WorkerTimeoutError(self._name, "sending a request timed out")
+                    raise WorkerTimeoutError(self._name, "sending a request timed out") from None
                 while True:
-                    got_id, reply = decode(await self._reader.receive())
+                    got_id, reply = decode(await self._channel.receive())
                     assert isinstance(reply, Reply)
                     if got_id == request_id:
                         break
@@ -155,7 +151,7 @@ class LocalWorker:
     async def _mark_dead(self, why: str) -> None:
         """Kill and reap the process: once this returns, it reads no buffer any more."""
         with anyio.CancelScope(shield=True):
-            await self._stream.aclose()
+            await self._channel.aclose()
             if self._process.is_alive():
                 self._process.kill()
             await anyio.to_thread.run_sync(self._process.join, _REAP_TIMEOUT)
@@ -217,7 +213,7 @@ class LocalWorker:
                         await self._request(Shutdown())
                     except (WorkerDiedError, WorkerRemoteError, WorkerTimeoutError):
                         pass
-                await self._stream.aclose()
+                await self._channel.aclose()
             await anyio.to_thread.run_sync(self._process.join, 5)
             if self._process.is_alive():
                 self._process.terminate()
@@ -239,7 +235,7 @@ async def _start_worker(
     start_timeout: float,
 ) -> LocalWorker:
     context = multiprocessing.get_context("spawn")
-    listener = await anyio.create_unix_listener(path)
+    listener = UnixListener(path)
     process = context.Process(
         target=worker_main,
         args=(path, factory, device, threads, faults),
@@ -251,7 +247,7 @@ async def _start_worker(
         with anyio.fail_after(start_timeout):
             while True:
                 with anyio.move_on_after(0.25):
-                    stream = await listener.accept()
+                    channel = await listener.accept()
                     break
                 if not process.is_alive():
                     raise WorkerDiedError(
@@ -271,7 +267,7 @@ async def _start_worker(
             os.unlink(path)
         except FileNotFoundError:
             pass
-    return LocalWorker(name, process, stream, device)
+    return LocalWorker(name, process, channel, device)
 
 
 @asynccontextmanager

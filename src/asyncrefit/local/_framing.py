@@ -1,16 +1,16 @@
-"""Length-prefixed frames over a byte stream, safe to cancel mid-read."""
+"""Length-prefixed frames over an anyio byte stream, safe to cancel mid-read.
+
+The framing itself lives in :mod:`asyncrefit._channel`; this reader serves the
+links that still read through anyio streams.
+"""
 
 from __future__ import annotations
 
 from anyio.abc import ByteReceiveStream, ByteSendStream
 
-_HEADER = 8
-MAX_FRAME = 1 << 32
+from .._channel import HEADER, MAX_FRAME, frame
 
-
-def frame(payload: bytes) -> bytes:
-    """``payload`` with its 8-byte big-endian length in front."""
-    return len(payload).to_bytes(_HEADER, "big") + payload
+__all__ = ("MAX_FRAME", "FrameReader", "frame", "send_frame")
 
 
 async def send_frame(stream: ByteSendStream, payload: bytes) -> None:
@@ -31,13 +31,13 @@ class FrameReader:
 
     async def receive(self) -> bytes:
         while True:
-            if len(self._buffer) >= _HEADER:
-                size = int.from_bytes(self._buffer[:_HEADER], "big")
+            if len(self._buffer) >= HEADER:
+                size = int.from_bytes(self._buffer[:HEADER], "big")
                 if size > MAX_FRAME:
                     raise ValueError(f"frame of {size} bytes is larger than allowed")
-                end = _HEADER + size
+                end = HEADER + size
                 if len(self._buffer) >= end:
-                    payload = bytes(self._buffer[_HEADER:end])
+                    payload = bytes(self._buffer[HEADER:end])
                     del self._buffer[:end]
                     return payload
             chunk = await self._stream.receive(1 << 20)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._channel import connect_unix
 from .._device import DeviceId
 from .._loop import backend_options
 from .._messages import (
@@ -39,12 +40,14 @@ from .._messages import (
 )
 from .._receiver import ParameterReceiver
 from ._faults import WorkerFaults
-from ._framing import FrameReader, send_frame
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+#: How long a reply may take to be sent before the coordinator counts as gone.
+_SEND_TIMEOUT = 60.0
 
 
 class WorkerServer:
@@ -68,22 +71,21 @@ class WorkerServer:
         return self._receiver.device
 
     async def serve(self, path: str) -> None:
-        stream = await anyio.connect_unix(path)
-        reader = FrameReader(stream)
+        channel = connect_unix(path)
         try:
             while True:
                 try:
-                    data = await reader.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    data = await channel.receive()
+                    request_id, request = decode(data)
+                    reply = await self.handle(request)
+                    await channel.send(encode((request_id, reply)), within=_SEND_TIMEOUT)
+                except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError):
                     return  # the coordinator is gone
-                request_id, request = decode(data)
-                reply = await self.handle(request)
-                await send_frame(stream, encode((request_id, reply)))
                 if isinstance(request, Shutdown):
                     return
         finally:
             self._receiver.close()
-            await stream.aclose()
+            await channel.aclose()
 
     async def _load(self, request: LoadBucket) -> Reply:
         if self._faults.crash_at_bucket == request.bucket:
