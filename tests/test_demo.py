@@ -66,13 +66,15 @@ async def _no_workers(*args: object, **kwargs: object) -> AsyncIterator[list[Loc
     yield []  # pragma: no cover - never reached
 
 
-@pytest.mark.parametrize("where", ["run", "start"])
+@pytest.mark.parametrize("where", ["run", "group", "start"])
 def test_demo_json_reports_any_failure_as_json(
     where: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if where == "run":
+    if where in ("run", "group"):
 
         async def broken(*args: object, **kwargs: object) -> dict[str, object]:
+            if where == "group":  # as a task group raises it: told as its one exception
+                raise ExceptionGroup("unhandled errors in a TaskGroup", [RuntimeError("boom")])
             raise RuntimeError("boom")
 
         monkeypatch.setattr(asyncrefit._demo, "run_demo", broken)
