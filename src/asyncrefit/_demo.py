@@ -20,9 +20,9 @@ import anyio
 
 from ._coordinator import RefitCoordinator
 from ._demo_model import ModelConfig, build_model, copy_task_batch
-from ._exceptions import AsyncRefitError
 from ._loop import backend_options
 from ._receiver import tensor_digest
+from .cli import report_failure
 from .local._client import LocalWorker, spawn_local_workers
 
 if TYPE_CHECKING:
@@ -274,22 +274,25 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed ``demo`` arguments; returns the exit status.
 
     0 if every push verified, 1 if not or if the demo failed, 2 for bad arguments.
+    With ``--json`` stdout holds exactly one JSON object whatever happens: the result,
+    or ``{"verified": false, "error": ...}`` when the demo raised any exception
+    (starting workers, training, a push, verifying, rendering) or the arguments are
+    bad. Failures are also told on stderr (see :func:`asyncrefit.cli.report_failure`);
+    workers are stopped and shared memory released by :func:`run_demo` on every path.
     """
     if args.workers < 1 or args.steps < 1:
-        print("asyncrefit demo: --workers and --steps must be at least 1", file=sys.stderr)
+        message = "--workers and --steps must be at least 1"
+        if args.json:
+            print(json.dumps({"verified": False, "error": f"ValueError: {message}"}))
+        print(f"asyncrefit demo: {message}", file=sys.stderr)
         return 2
     run = functools.partial(
         run_demo, args.workers, args.steps, progress=not args.json and sys.stderr.isatty()
     )
     try:
         result = anyio.run(run, backend="asyncio", backend_options=backend_options())
-    except AsyncRefitError as exc:
-        if args.json:
-            print(json.dumps({"verified": False, "error": f"{type(exc).__name__}: {exc}"}))
-        print(f"asyncrefit demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(format_table(result))
+        text = json.dumps(result) if args.json else format_table(result)
+    except Exception as exc:
+        return report_failure("demo", exc, as_json=args.json)
+    print(text)
     return 0 if result["verified"] else 1

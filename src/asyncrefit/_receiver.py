@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ._checksum import checksum
+from ._checksum import checksum, tensor_bytes
 from ._device import DeviceId
 from ._exceptions import AsyncRefitError, IntegrityError, TransportError
 from ._messages import BucketAck
@@ -85,18 +85,16 @@ class VersionState:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """A digest of a tensor's bytes (with its dtype and shape): equal iff bitwise equal."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(_uint8())
+    """A digest of a tensor's bytes (with its dtype and shape): equal iff bitwise equal.
+
+    Reads the bytes through :func:`tensor_bytes` (no numpy; CUDA tensors are copied to
+    the host first, non-contiguous ones copied contiguous).
+    """
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
-    h.update(flat.numpy().data)
+    with tensor_bytes(tensor) as data:
+        h.update(data)
     return h.hexdigest()
-
-
-def _uint8() -> torch.dtype:
-    import torch
-
-    return torch.uint8
 
 
 class ParameterReceiver:

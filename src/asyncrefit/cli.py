@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import traceback
 from collections.abc import Sequence
+
+from ._exceptions import AsyncRefitError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,12 +37,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_failure(command: str, exc: Exception, *, as_json: bool) -> int:
+    """Report that ``command`` failed with ``exc``; returns the exit status, 1.
+
+    With ``as_json``, stdout gets exactly one JSON object, ``{"verified": false,
+    "error": "<type>: <message>"}``, and nothing else, so a caller that parses stdout
+    always gets an answer. stderr gets one line for the library's own errors
+    (:class:`AsyncRefitError`) and the traceback, then that line, for anything else.
+    A group of one exception (as task groups raise) is told as that exception.
+    """
+    cause: BaseException = exc
+    while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
+        cause = cause.exceptions[0]
+    message = f"{type(cause).__name__}: {cause}"
+    if as_json:
+        print(json.dumps({"verified": False, "error": message}), flush=True)
+    if not isinstance(cause, AsyncRefitError):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"asyncrefit {command} failed: {message}", file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from ._demo import main as demo_main
-
+        try:
+            from ._demo import main as demo_main
+        except Exception as exc:  # e.g. a broken torch: --json still answers in JSON
+            return report_failure("demo", exc, as_json=args.json)
         return demo_main(args)
     if args.command == "bench":
         from ._bench import main as bench_main
