@@ -33,6 +33,7 @@ class Faults:
     read_late_at: int | None = None
     read_late: float = 0.0
     bad_device: DeviceId | None = None
+    fail_at_commit: bool = False  # raise RuntimeError from commit_update
 
 
 @dataclass
@@ -122,6 +123,8 @@ class FakeWorker:
         await anyio.lowlevel.checkpoint()
         await self._check_alive()
         self.calls.append(("commit", version))
+        if self.faults.fail_at_commit:
+            raise RuntimeError("injected failure at commit")
         self.receiver.commit(version, buckets)
 
     async def abort_update(self, version: int) -> None:
@@ -138,6 +141,8 @@ class FakeWorker:
 
     async def release_handles(self) -> None:
         await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("release", 0))
         self.receiver.release_handles()
 
     def equals(self, module: torch.nn.Module) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 import pytest
 import torch
@@ -13,13 +15,17 @@ from asyncrefit import (
     DuplicateWorkerError,
     LocalTrainer,
     ParameterMismatchError,
+    ParamSpec,
+    Plan,
     PushError,
     RefitCoordinator,
     SourceInfo,
     TransmittingSource,
     UnknownDeviceError,
+    UnknownWorkerError,
     VersionError,
     WorkerDiedError,
+    WorkerProtocolError,
     WorkerRemoteError,
     WorkerTimeoutError,
     cpu_device,
@@ -309,7 +315,7 @@ async def test_concurrent_pushes_never_interleave_on_a_worker() -> None:
             tg.start_soon(refit.push, 2)
         assert refit.version == 2
     for w in workers:
-        versions = [v for _, v in w.calls]
+        versions = [v for kind, v in w.calls if kind != "release"]
         assert versions == sorted(versions), w.calls
 
 
@@ -383,3 +389,126 @@ def test_a_source_may_serve_remote_devices() -> None:
     assert not info.serves(DeviceId(node="elsewhere", device="gpu-6"))
     anywhere = SourceInfo(name="t", node="here", devices=frozenset(), specs=(), remote=None)
     assert anywhere.serves(remote)
+
+
+# --- a failed re-plan is not remembered as done (issue 11, item 4) ----------------------
+
+
+async def test_a_rejected_parameter_set_is_rejected_again_at_the_next_push() -> None:
+    model = make_mlp()
+    workers = fakes(model, 1)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        model.extra = torch.nn.Parameter(torch.ones(8))  # the engine has no such parameter
+        calls = list(workers[0].calls)
+        for version in (2, 3):
+            with pytest.raises(ParameterMismatchError, match="extra"):
+                await refit.push(version)
+        assert workers[0].calls == calls  # nothing was sent, the second time neither
+        del model.extra
+        await refit.push(4)
+        assert workers[0].equals(model) and refit.version == 4
+
+
+async def test_a_grown_tensor_over_the_budget_is_refused_at_every_push() -> None:
+    model = make_mlp()
+    workers = fakes(model, 1)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        assert isinstance(model, torch.nn.Sequential)
+        old = model[0].weight
+        model[0].weight = torch.nn.Parameter(torch.zeros(256, 128))  # 128 KiB
+        for version in (2, 3):
+            with pytest.raises(BudgetTooSmallError):
+                await refit.push(version)
+        model[0].weight = old
+        await refit.push(4)
+        assert workers[0].equals(model)
+
+
+class FlakyPrepare(LocalTrainer):
+    """Fails its next ``prepare`` after :meth:`arm`: the buffers are gone by then."""
+
+    armed = False
+    prepares = 0
+
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
+        self.prepares += 1
+        await super().prepare(plan, slots, slot_bytes, checksum=checksum)
+        if self.armed:
+            self.armed = False
+            await super().aclose()
+            raise OSError("out of pinned memory")
+
+
+async def test_a_failed_prepare_is_prepared_again_before_the_next_push() -> None:
+    model = make_mlp()
+    workers = fakes(model, 1)
+    tensors = dict(model.named_parameters())
+    source = FlakyPrepare(lambda: tensors)
+    async with RefitCoordinator(trainer=source, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        # The trainer lists its parameters in another order: a re-plan is due.
+        tensors = dict(reversed(tensors.items()))
+        source.armed = True
+        with pytest.raises(OSError, match="pinned"):
+            await refit.push(2)
+        prepares = source.prepares
+        await refit.push(3)
+        assert source.prepares == prepares + 1  # prepared again, not trusted
+        assert workers[0].equals(model) and refit.version == 3
+
+
+# --- versions are fenced by the highest one begun (issue 11, item 5) --------------------
+
+
+async def test_a_version_a_failed_push_began_is_never_used_again() -> None:
+    model = make_mlp()
+    workers = fakes(model, 2)
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        step(model, 2)
+        workers[1].faults = Faults(fail_at_commit=True)
+        with pytest.raises(PushError) as info:
+            await refit.push(2)
+        assert info.value.failed == "w1"
+        # w0 committed 2 before w1 failed: a different weight set must not also be 2.
+        assert await workers[0].weight_version() == 2
+        assert refit.version == 1
+        workers[1].faults = Faults()
+        step(model, 3)
+        with pytest.raises(VersionError, match="failed") as stale:
+            await refit.push(2)
+        assert stale.value.failed and stale.value.current == 2
+        await refit.push(3)
+        assert all(w.equals(model) for w in workers) and refit.version == 3
+
+
+# --- errors say what and where (issue 11, item 13) --------------------------------------
+
+
+async def test_removing_an_unknown_worker_is_a_typed_key_error_naming_the_workers() -> None:
+    model = make_mlp()
+    async with RefitCoordinator(
+        trainer=model, workers=fakes(model, 2), budget_bytes=64 * KIB
+    ) as refit:
+        with pytest.raises(UnknownWorkerError, match=r"'nope' \(workers: 'w0', 'w1'\)") as info:
+            await refit.remove_worker("nope")
+        assert isinstance(info.value, KeyError) and info.value.worker == "nope"
+
+
+class BadSpecsWorker(FakeWorker):
+    async def parameter_specs(self) -> Sequence[ParamSpec]:
+        await anyio.lowlevel.checkpoint()
+        return [{"name": "0.weight"}]  # type: ignore[list-item]
+
+
+async def test_specs_of_the_wrong_type_are_a_protocol_error_naming_the_worker() -> None:
+    model = make_mlp()
+    good = FakeWorker.like("good", cpu_device(0), model)
+    bad = BadSpecsWorker(name="bad", device=cpu_device(1), parameters={})
+    with pytest.raises(WorkerProtocolError, match=r"'bad'.*item 0 is a dict, not a ParamSpec"):
+        async with RefitCoordinator(trainer=model, workers=[good, bad], budget_bytes=64 * KIB):
+            pass

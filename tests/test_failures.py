@@ -11,6 +11,7 @@ import torch
 from asyncrefit import (
     AsyncRefitError,
     Bucket,
+    ClosedError,
     LocalTrainer,
     Plan,
     PushError,
@@ -204,3 +205,108 @@ async def test_a_source_failing_at_entry_raises_its_own_typed_error() -> None:
         ):
             pytest.fail("entered")
     assert workers[0].calls == []
+
+
+# --- bookkeeping by identity, not by name (issue 11, item 8) ----------------------------
+
+
+async def test_a_new_worker_under_an_old_name_cannot_free_the_old_ones_slot() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    late = workers[1]
+    async with RefitCoordinator(
+        trainer=model,
+        workers=workers,
+        budget_bytes=256 * KIB,
+        bucket_bytes=8 * KIB,
+        timeout=0.3,
+        cleanup_timeout=0.2,
+    ) as refit:
+        await refit.push(1)
+        late.faults = Faults(read_late_at=0, read_late=4.0)
+        with pytest.raises(PushError):
+            await refit.push(2)
+        held = refit.quarantined_slots()
+        assert list(held.values()) == [frozenset({"w1"})]
+        await refit.remove_worker("w1")  # it cannot confirm yet: the slot stays held
+
+        # A replacement under the same name joins, and dies in its first push.
+        replacement = FakeWorker.like("w1", cpu_device(1), model, Faults(die_at_bucket=1))
+        await refit.add_worker(replacement)
+        with pytest.raises(PushError) as info:
+            await refit.push(3)
+        assert isinstance(info.value.cause, WorkerDiedError)
+        # The old reader is still reading that slot: it must stay held.
+        assert refit.quarantined_slots() == held
+        assert not late.reading.is_set()
+
+        await refit.remove_worker("w1")
+        await anyio.to_thread.run_sync(late.reading.wait)
+        await refit.push(4)  # now the old worker confirms, and the slot comes back
+        assert not refit.quarantined_slots() and refit.statistics().in_use == 0
+        assert workers[0].equals(model)
+
+
+# --- removal and closing (issue 11, item 9) -----------------------------------------------
+
+
+async def test_a_removed_worker_that_is_alive_is_told_to_release_its_handles() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+        await refit.push(1)
+        assert len(workers[1].receiver._importers["shm"]) > 0  # type: ignore[arg-type]
+        await refit.remove_worker("w1")
+        assert workers[1].calls[-1] == ("release", 0)
+        assert len(workers[1].receiver._importers["shm"]) == 0  # type: ignore[arg-type]
+        step(model, 2)
+        await refit.push(2)
+        assert ("release", 0) not in workers[0].calls
+
+
+async def test_a_removed_straggler_releases_its_handles_once_it_confirms() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    late = workers[1]
+    async with RefitCoordinator(
+        trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=0.3, cleanup_timeout=0.2
+    ) as refit:
+        await refit.push(1)
+        late.faults = Faults(read_late_at=0, read_late=1.0)
+        with pytest.raises(PushError):
+            await refit.push(2)
+        await refit.remove_worker("w1")
+        assert ("release", 0) not in late.calls  # it has not confirmed yet
+        await anyio.to_thread.run_sync(late.reading.wait)
+        await refit.push(3)  # settles it: abort confirmed, then its handles released
+        assert late.calls[-2:] == [("abort", 2), ("release", 0)]
+        assert not refit.quarantined_slots()
+
+
+async def test_closing_cancels_a_push_that_would_never_end() -> None:
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    refit = RefitCoordinator(
+        trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=None, cleanup_timeout=0.3
+    )
+    errors: list[BaseException] = []
+
+    async def pusher() -> None:
+        try:
+            await refit.push(2)
+        except PushError as exc:
+            errors.append(exc)
+
+    async with refit:
+        await refit.push(1)
+        workers[1].faults = Faults(hang_at_bucket=0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pusher)
+            await anyio.sleep(0.1)
+            with anyio.fail_after(3):  # no timeout: without aclose's bound, forever
+                await refit.aclose()
+    (error,) = errors
+    assert isinstance(error, PushError) and isinstance(error.cause, ClosedError)
+    assert set(error.incomplete) == {"w0", "w1"}
+    # w1 never confirmed its abort: its slot stays held (freed with the source).
+    assert list(refit.quarantined_slots().values()) == [frozenset({"w1"})]

@@ -11,14 +11,14 @@ from asyncrefit._slots import SlotTable
 
 
 def test_new_table_is_all_free() -> None:
-    table = SlotTable(3)
+    table = SlotTable[str](3)
     assert len(table) == 3
     assert table.free() == [0, 1, 2]
     assert table.quarantined() == {}
 
 
 def test_take_lowest_free_and_exhaustion() -> None:
-    table = SlotTable(2)
+    table = SlotTable[str](2)
     assert table.take() == 0
     assert table.free() == [1]
     assert table.take() == 1
@@ -32,11 +32,11 @@ def test_take_lowest_free_and_exhaustion() -> None:
 
 def test_zero_slots_cannot_be_taken() -> None:
     with pytest.raises(RuntimeError):
-        SlotTable(0).take()
+        SlotTable[str](0).take()
 
 
 def test_normal_path_acks_then_finish() -> None:
-    table = SlotTable(2)
+    table = SlotTable[str](2)
     slot = table.take()
     table.reading(slot, "w0")
     table.reading(slot, "w1")
@@ -49,7 +49,7 @@ def test_normal_path_acks_then_finish() -> None:
 
 
 def test_finish_then_last_ack_frees() -> None:
-    table = SlotTable(1)
+    table = SlotTable[str](1)
     slot = table.take()
     table.reading(slot, "w0")
     table.reading(slot, "w1")
@@ -65,7 +65,7 @@ def test_finish_then_last_ack_frees() -> None:
 
 
 def test_finished_with_unacked_reader_stays_quarantined_until_worker_done() -> None:
-    table = SlotTable(3)
+    table = SlotTable[str](3)
     a, b, c = table.take(), table.take(), table.take()
     for slot in (a, b):
         table.reading(slot, "dead")
@@ -87,7 +87,7 @@ def test_finished_with_unacked_reader_stays_quarantined_until_worker_done() -> N
 
 
 def test_worker_done_on_busy_slot_does_not_free_it() -> None:
-    table = SlotTable(1)
+    table = SlotTable[str](1)
     slot = table.take()
     table.reading(slot, "w0")
     assert table.worker_done("w0") == []
@@ -96,7 +96,7 @@ def test_worker_done_on_busy_slot_does_not_free_it() -> None:
 
 
 def test_ack_from_unknown_worker_is_harmless() -> None:
-    table = SlotTable(1)
+    table = SlotTable[str](1)
     slot = table.take()
     table.reading(slot, "w0")
     table.finish(slot)
@@ -105,7 +105,7 @@ def test_ack_from_unknown_worker_is_harmless() -> None:
 
 
 def test_repr_counts() -> None:
-    table = SlotTable(2)
+    table = SlotTable[str](2)
     slot = table.take()
     table.reading(slot, "w")
     table.finish(slot)
@@ -126,7 +126,7 @@ class SlotMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = SlotTable(N_SLOTS)
+        self.table = SlotTable[str](N_SLOTS)
         self.busy: set[int] = set()
         self.readers: dict[int, set[str]] = {i: set() for i in range(N_SLOTS)}
 

@@ -22,10 +22,12 @@ from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
 from ._exceptions import TransportError as TransportError
 from ._exceptions import UnknownDeviceError as UnknownDeviceError
+from ._exceptions import UnknownWorkerError as UnknownWorkerError
 from ._exceptions import VersionError as VersionError
 from ._exceptions import WorkerDiedError as WorkerDiedError
 from ._exceptions import WorkerError as WorkerError
 from ._exceptions import WorkerIntegrityError as WorkerIntegrityError
+from ._exceptions import WorkerProtocolError as WorkerProtocolError
 from ._exceptions import WorkerRemoteError as WorkerRemoteError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._messages import BucketAck as BucketAck
@@ -78,12 +80,14 @@ __all__ = (
     "TransmittingSource",
     "TransportError",
     "UnknownDeviceError",
+    "UnknownWorkerError",
     "VersionError",
     "VersionState",
     "Worker",
     "WorkerDiedError",
     "WorkerError",
     "WorkerIntegrityError",
+    "WorkerProtocolError",
     "WorkerRemoteError",
     "WorkerTimeoutError",
     "checksum",

@@ -1,4 +1,11 @@
-"""The coordinator: discovery, planning, and the per-bucket pipeline of a push."""
+"""The coordinator: discovery, planning, and the per-bucket pipeline of a push.
+
+State lives in two places: the :class:`~asyncrefit._topology.Topology` (sources,
+plan, slots, routes: an immutable value, swapped in only once it is validated and
+prepared) and the :class:`~asyncrefit._ledger.Ledger` (members, versions, slots and
+their readers: a pure state machine). The coordinator asks them what to do, awaits
+the I/O, and reports the outcome back.
+"""
 
 from __future__ import annotations
 
@@ -15,26 +22,24 @@ from ._budget import BudgetStatistics, ByteBudget
 from ._device import DeviceId
 from ._exceptions import (
     AsyncRefitError,
-    BudgetTooSmallError,
     ClosedError,
     DuplicateWorkerError,
     PlanError,
     PushError,
     TransportError,
-    UnknownDeviceError,
-    VersionError,
     WorkerDiedError,
     WorkerError,
-    WorkerRemoteError,
+    WorkerProtocolError,
     WorkerTimeoutError,
     one_error,
     primary_error,
     remote_error,
 )
+from ._ledger import Ledger, Member
 from ._messages import LoadBucket, encoded_size
-from ._plan import DEFAULT_ALIGNMENT, ParamSpec, Plan, plan_buckets, validate_worker
+from ._plan import DEFAULT_ALIGNMENT, Plan, check_specs
 from ._report import RefitReport, StageTimes
-from ._slots import SlotTable
+from ._topology import Topology, plan_topology
 from ._trainer import LocalTrainer
 from ._worker import SourceInfo, TrainerSource, TransmittingSource, Worker
 from .transport._base import Handle
@@ -63,8 +68,11 @@ class _PushAccount:
     commit: float = 0.0
     handle_bytes: dict[str, int] = field(default_factory=dict)
     transport_bytes: dict[str, int] = field(default_factory=dict)
-    touched: set[str] = field(default_factory=set)
-    committed: set[str] = field(default_factory=set)
+    touched: set[Member] = field(default_factory=set)
+    committed: set[Member] = field(default_factory=set)
+
+    def incomplete(self) -> list[str]:
+        return sorted(m.name for m in self.touched - self.committed)
 
 
 def _adapt(obj: Any, *, worker: bool = True) -> Any:
@@ -106,7 +114,9 @@ class RefitCoordinator:
 
     Resource handling: slots are allocated on entry and freed on exit, also when entry
     or the body fails. A slot is reused only after every worker that was sent its
-    handle acknowledged it, or acknowledged an abort, or is known to be dead.
+    handle acknowledged it, or acknowledged an abort, or is known to be dead. Closing
+    cancels a push in progress (it aborts as a failed push does) and waits for it at
+    most ``cleanup_timeout`` seconds more than its abort takes.
 
     Error handling: errors of entry are :class:`PlanError` and
     :class:`DiscoveryError` subclasses; see :meth:`push` for a push's errors.
@@ -131,10 +141,13 @@ class RefitCoordinator:
         if budget_bytes <= 0:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
         self._sources = self._as_sources(trainer)
-        self._workers: dict[str, Worker] = {}
+        self._ledger = Ledger()
+        # Given at construction, discovered on entry.
+        self._joining: list[Worker] = []
         for worker in map(_adapt, workers):
-            self._check_new_worker(worker)
-            self._workers[worker.name] = worker
+            if any(w.name == worker.name for w in self._joining):
+                raise DuplicateWorkerError(worker.name)
+            self._joining.append(worker)
         self._budget_bytes = budget_bytes
         # A bucket larger than the budget could never be staged: clamp it.
         self._bucket_bytes = min(
@@ -146,20 +159,13 @@ class RefitCoordinator:
         self._broadcast_all = broadcast_all_handles
         self._verify = verify
 
-        self._devices: dict[str, DeviceId] = {}
-        self._worker_specs: dict[str, tuple[ParamSpec, ...]] = {}
-        self._source_of: dict[str, int] = {}
-        self._infos: list[SourceInfo] = []
-        self._plan: Plan | None = None
-        self._slots = SlotTable(0)
-        self._slot_bytes = 0
+        # The last topology that was validated and prepared; ``_stale`` once a
+        # prepare began that did not finish (the sources' buffers may not match it).
+        self._topology: Topology | None = None
+        self._stale = False
         self._budget: ByteBudget | None = None
-        self._versions: dict[str, int | None] = {}
-        self._last_version: int | None = None
-        # Workers (in the set or removed) that may read slots and never confirmed an
-        # abort, with the version to abort: their slots stay quarantined until then.
-        self._unsettled: dict[str, tuple[Worker, int]] = {}
         self._lock = anyio.Lock()
+        self._push_scope: anyio.CancelScope | None = None
         self._state = "new"
 
     # --- construction helpers ----------------------------------------------------------
@@ -180,15 +186,13 @@ class RefitCoordinator:
             return list(trainer)
         return [LocalTrainer(trainer)]
 
-    def _check_new_worker(self, worker: Worker) -> None:
-        if worker.name in self._workers:
-            raise DuplicateWorkerError(worker.name)
-
     def __repr__(self) -> str:
+        topology = self._topology
+        slots = f"{topology.slots}x{topology.slot_bytes}" if topology is not None else "none"
+        workers = len(self._ledger.members) or len(self._joining)
         return (
-            f"<RefitCoordinator {self._state} workers={len(self._workers)} "
-            f"version={self._last_version} slots={len(self._slots)}x{self._slot_bytes} "
-            f"budget={self._budget!r}>"
+            f"<RefitCoordinator {self._state} workers={workers} "
+            f"version={self._ledger.last_version} slots={slots} budget={self._budget!r}>"
         )
 
     # --- public state ---------------------------------------------------------------------
@@ -196,21 +200,21 @@ class RefitCoordinator:
     @property
     def plan(self) -> Plan | None:
         """The current bucket plan (``None`` before entry)."""
-        return self._plan
+        return self._topology.plan if self._topology is not None else None
 
     @property
     def devices(self) -> dict[str, DeviceId]:
         """Each worker's device, as it reported it at discovery."""
-        return dict(self._devices)
+        return {name: m.device for name, m in self._ledger.members.items()}
 
     @property
     def version(self) -> int | None:
         """The last version every worker received completely."""
-        return self._last_version
+        return self._ledger.last_version
 
     def versions(self) -> dict[str, int | None]:
         """The complete version each worker holds, as far as the coordinator knows."""
-        return dict(self._versions)
+        return self._ledger.versions()
 
     def statistics(self) -> BudgetStatistics:
         """The staging budget's statistics (capacity is what the slots can use)."""
@@ -220,7 +224,7 @@ class RefitCoordinator:
 
     def quarantined_slots(self) -> dict[int, frozenset[str]]:
         """Slots held back because these workers may still read them."""
-        return self._slots.quarantined()
+        return self._ledger.quarantined()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -229,9 +233,12 @@ class RefitCoordinator:
             raise ClosedError("a RefitCoordinator can be entered once")
         self._state = "open"
         try:
-            self._infos = await self._describe_sources()
-            await self._discover(list(self._workers))
-            await self._replan()
+            infos = await self._describe_sources()
+            members = await self._discover(self._joining)
+            await self._replan(infos, members)
+            for member in members:
+                self._ledger.admit(member)
+            self._joining = []
         except BaseException:
             await self.aclose()
             raise
@@ -246,63 +253,77 @@ class RefitCoordinator:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Tell workers to drop their cached handles, then free every slot. Idempotent.
+        """Cancel a push in progress, tell workers to drop their handles, free every slot.
 
-        Runs shielded from cancellation and bounded by ``cleanup_timeout``; errors of
-        workers that are gone are logged, not raised.
+        Idempotent. Runs shielded from cancellation; a push in progress is cancelled
+        and waited for at most ``cleanup_timeout`` seconds after its own abort's bound;
+        each worker's release and each source's close are bounded by
+        ``cleanup_timeout``. Errors of workers that are gone are logged, not raised.
         """
         if self._state == "closed":
             return
         self._state = "closed"
         with anyio.CancelScope(shield=True):
-            async with self._lock:
-                if self._slots.quarantined():
+            if self._push_scope is not None:
+                self._push_scope.cancel()
+            locked = False
+            with anyio.move_on_after(2 * self._cleanup_timeout):
+                await self._lock.acquire()
+                locked = True
+            try:
+                if not locked:
+                    logger.error(
+                        "closing while a push still runs after %s s; freeing buffers anyway",
+                        2 * self._cleanup_timeout,
+                    )
+                if self._ledger.quarantined():
                     logger.warning(
-                        "closing with slots still read by workers: %s", self._slots.quarantined()
+                        "closing with slots still read by workers: %s", self._ledger.quarantined()
                     )
                 with anyio.move_on_after(self._cleanup_timeout):
                     async with anyio.create_task_group() as tg:
-                        for name in self._devices:
-                            tg.start_soon(self._release_handles, name)
+                        for member in self._ledger.members.values():
+                            tg.start_soon(self._release_handles, member)
                 for source in self._sources:
                     with anyio.move_on_after(self._cleanup_timeout):
                         await source.aclose()
+            finally:
+                if locked:
+                    self._lock.release()
 
-    async def _release_handles(self, name: str) -> None:
+    async def _release_handles(self, member: Member) -> None:
         try:
-            await self._workers[name].release_handles()
+            await member.worker.release_handles()
         except Exception as exc:  # a dead worker has nothing to release
-            logger.info("worker %s could not release handles: %s", name, exc)
+            logger.info("worker %s could not release handles: %s", member.name, exc)
 
     # --- worker calls ---------------------------------------------------------------------
 
-    async def _call(self, name: str, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, member: Member, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Await one worker call under the timeout, translating errors to typed ones."""
         try:
             with anyio.fail_after(self._timeout):
                 return await fn()
         except TimeoutError:
             raise WorkerTimeoutError(
-                name, f"{what} got no answer within {self._timeout} s"
+                member.name, f"{what} got no answer within {self._timeout} s"
             ) from None
         except WorkerDiedError:
-            self._stop_reading(name)
+            self._settled(member)  # a dead worker reads nothing any more
             raise
         except WorkerError:
             raise
         except Exception as exc:  # raised by an in-process worker: attribute it to it
-            raise remote_error(name, type(exc).__name__, str(exc)) from exc
+            raise remote_error(member.name, type(exc).__name__, str(exc)) from exc
 
-    def _stop_reading(self, name: str) -> None:
-        """``name`` reads no slot any more (it confirmed an abort, or it is dead)."""
-        self._unsettled.pop(name, None)
-        self._release_slots(self._slots.worker_done(name))
+    def _settled(self, member: Member) -> None:
+        """``member`` reads no slot any more: give the slots it freed back."""
+        self._release_slots(self._ledger.settled(member))
 
     def _release_slots(self, freed: Iterable[int]) -> None:
-        assert self._budget is not None or not freed
         for _ in freed:
-            assert self._budget is not None
-            self._budget.release(self._slot_bytes)
+            assert self._budget is not None and self._topology is not None
+            self._budget.release(self._topology.slot_bytes)
 
     # --- discovery and planning -------------------------------------------------------
 
@@ -318,91 +339,62 @@ class RefitCoordinator:
                     tg.start_soon(one, i)
         return [i for i in infos if i is not None]
 
-    async def _discover(self, names: Sequence[str]) -> None:
-        found: dict[str, tuple[DeviceId, tuple[ParamSpec, ...]]] = {}
+    async def _discover(self, workers: Sequence[Worker]) -> list[Member]:
+        """Ask every worker, concurrently, for its device and parameter specs."""
+        found: dict[int, Member] = {}
 
-        async def one(name: str) -> None:
-            worker = self._workers[name]
-            device = await self._call(name, "report_device_id_async", worker.report_device_id_async)
+        async def one(i: int, worker: Worker) -> None:
+            name = worker.name
+            probe = Member(name=name, worker=worker, device=DeviceId(node="", device=""), specs=())
+            device = await self._call(
+                probe, "report_device_id_async", worker.report_device_id_async
+            )
             if not isinstance(device, DeviceId):
-                raise WorkerRemoteError(
-                    name,
-                    "TypeError",
-                    f"report_device_id_async returned {type(device).__name__}, not a DeviceId",
+                raise WorkerProtocolError(
+                    name, f"report_device_id_async returned {type(device).__name__}, not a DeviceId"
                 )
-            specs = await self._call(name, "parameter_specs", worker.parameter_specs)
-            found[name] = (device, tuple(specs))
+            specs = await self._call(probe, "parameter_specs", worker.parameter_specs)
+            found[i] = Member(
+                name=name, worker=worker, device=device, specs=check_specs(name, specs)
+            )
 
         with one_error():
             async with anyio.create_task_group() as tg:
-                for name in names:
-                    tg.start_soon(one, name)
-        for name in names:
-            device, specs = found[name]
-            self._source_of[name] = self._route(name, device)
-            self._devices[name] = device
-            self._worker_specs[name] = specs
-            self._versions.setdefault(name, None)
+                for i, worker in enumerate(workers):
+                    tg.start_soon(one, i, worker)
+        return [found[i] for i in range(len(workers))]
 
-    def _route(self, name: str, device: DeviceId) -> int:
-        for i, info in enumerate(self._infos):
-            if info.serves(device):
-                return i
-        raise UnknownDeviceError(
-            name,
-            device,
-            [
-                f"{i.node}/{'*' if i.devices is None else ','.join(sorted(i.devices))}"
-                for i in self._infos
-            ],
+    async def _replan(self, infos: Sequence[SourceInfo], members: Iterable[Member]) -> None:
+        """Plan, validate and prepare a new topology; swap it in only if all succeeded."""
+        topology = plan_topology(
+            infos,
+            members,
+            budget_bytes=self._budget_bytes,
+            bucket_bytes=self._bucket_bytes,
+            alignment=self._alignment,
         )
-
-    async def _replan(self) -> None:
-        """Plan from the sources' specs, validate every worker, (re)allocate slots."""
-        specs = self._infos[0].specs
-        for info in self._infos[1:]:
-            if info.specs != specs:
-                raise PlanError(
-                    f"trainer sources {self._infos[0].name!r} and {info.name!r} hold "
-                    "different parameter sets"
-                )
-        plan = plan_buckets(specs, self._bucket_bytes, alignment=self._alignment)
-        slot_bytes = max(1, plan.max_bucket_bytes)
-        if slot_bytes > self._budget_bytes:
-            largest = max(plan.buckets, key=lambda b: b.nbytes)
-            what = (
-                f"parameter {largest.entries[0].name!r}"
-                if len(largest.entries) == 1
-                else f"bucket {largest.index}"
-            )
-            raise BudgetTooSmallError(self._budget_bytes, slot_bytes, what)
-        expected = plan.specs
-        for name in self._workers:
-            validate_worker(expected, name, self._worker_specs[name])
-        if self._slots.quarantined():
+        if self._ledger.slots.quarantined():
             raise AsyncRefitError(
                 "cannot re-plan while workers may still read slots: "
-                f"{self._slots.quarantined()}; remove those workers first"
+                f"{self._ledger.quarantined()}; remove those workers first"
             )
-        slots = max(1, min(self._budget_bytes // slot_bytes, len(plan.buckets)))
+        # From here on the sources' buffers may no longer match the old topology.
+        self._stale = True
         with one_error():
             async with anyio.create_task_group() as tg:
-                for i in self._used_sources():
-                    tg.start_soon(self._prepare_source, i, plan, slots, slot_bytes)
-        self._plan = plan
-        self._slot_bytes = slot_bytes
-        self._slots = SlotTable(slots)
-        self._budget = ByteBudget(slots * slot_bytes)
+                for i in topology.used_sources:
+                    tg.start_soon(self._prepare_source, i, topology)
+        self._topology = topology
+        self._ledger.reset_slots(topology.slots)
+        self._budget = ByteBudget(topology.slots * topology.slot_bytes)
+        self._stale = False
 
-    async def _prepare_source(self, i: int, plan: Plan, slots: int, slot_bytes: int) -> None:
+    async def _prepare_source(self, i: int, topology: Topology) -> None:
         source = self._sources[i]
         if self._verify:
-            await source.prepare(plan, slots, slot_bytes, checksum=True)
+            await source.prepare(topology.plan, topology.slots, topology.slot_bytes, checksum=True)
         else:
-            await source.prepare(plan, slots, slot_bytes)
-
-    def _used_sources(self) -> list[int]:
-        return sorted(set(self._source_of.values())) if self._source_of else [0]
+            await source.prepare(topology.plan, topology.slots, topology.slot_bytes)
 
     # --- membership -------------------------------------------------------------------
 
@@ -414,66 +406,62 @@ class RefitCoordinator:
         """
         async with self._lock:
             self._check_open()
-            self._check_new_worker(worker)
-            prepared = set(self._used_sources())
-            self._workers[worker.name] = worker
-            try:
-                await self._discover([worker.name])
-                assert self._plan is not None
-                validate_worker(self._plan.specs, worker.name, self._worker_specs[worker.name])
-                source = self._source_of[worker.name]
-                if source not in prepared:
-                    await self._prepare_source(
-                        source, self._plan, len(self._slots), self._slot_bytes
-                    )
-            except BaseException:
-                self._forget(worker.name)
-                raise
+            worker = _adapt(worker)
+            self._ledger.check_name(worker.name)
+            (member,) = await self._discover([worker])
+            topology = self._topology
+            assert topology is not None
+            joined = topology.with_member(member)
+            if not self._stale and set(joined.used_sources) - set(topology.used_sources):
+                await self._prepare_source(joined.routes[member], joined)
+            self._topology = joined
+            self._ledger.admit(member)
 
     async def remove_worker(self, name: str) -> None:
         """Stop pushing to worker ``name`` (for instance after it died or hung).
 
-        Slots the worker may still be reading (it timed out and never confirmed an
-        abort) are not released by removing it: they stay quarantined until the worker
-        confirms an abort or is known dead. That is tried now, bounded by
-        ``cleanup_timeout``, and again, briefly, before every later push; killing a hung
-        worker's process settles it at the next try.
+        A worker that is still there is told to release its handles (bounded by
+        ``cleanup_timeout``; a dead one has none). Slots the worker may still be
+        reading (it timed out and never confirmed an abort) are not released by
+        removing it: they stay quarantined until the worker confirms an abort or is
+        known dead. That is tried now, bounded by ``cleanup_timeout``, and again,
+        briefly, before every later push; killing a hung worker's process settles it at
+        the next try.
+
+        Raises :class:`UnknownWorkerError` (a ``KeyError``) if no worker has that name.
         """
         async with self._lock:
             self._check_open()
-            if name not in self._workers:
-                raise KeyError(name)
-            self._forget(name)
-            if name in self._unsettled:
+            removal = self._ledger.remove(name)
+            if self._topology is not None:
+                self._topology = self._topology.without(removal.member)
+            if removal.unsettled:
                 await self._settle(self._cleanup_timeout)
+            else:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self._cleanup_timeout):
+                    await self._release_handles(removal.member)
 
     async def _settle(self, within: float) -> None:
         """Retry the aborts that were never confirmed; release what gets confirmed."""
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + within
             async with anyio.create_task_group() as tg:
-                for name, (worker, version) in list(self._unsettled.items()):
-                    tg.start_soon(self._settle_one, name, worker, version)
+                for member, version in self._ledger.unsettled():
+                    tg.start_soon(self._settle_one, member, version)
 
-    async def _settle_one(self, name: str, worker: Worker, version: int) -> None:
+    async def _settle_one(self, member: Member, version: int) -> None:
         try:
-            await worker.abort_update(version)
+            await member.worker.abort_update(version)
         except WorkerDiedError:
             pass  # gone: reads nothing
         except Exception as exc:
-            logger.info("worker %s still does not confirm abort of %s: %s", name, version, exc)
+            logger.info(
+                "worker %s still does not confirm abort of %s: %s", member.name, version, exc
+            )
             return
-        self._stop_reading(name)
-
-    def _forget(self, name: str) -> None:
-        for table in (
-            self._workers,
-            self._devices,
-            self._worker_specs,
-            self._source_of,
-            self._versions,
-        ):
-            table.pop(name, None)
+        self._settled(member)
+        if not self._ledger.is_member(member):
+            await self._release_handles(member)  # removed meanwhile: it keeps nothing
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -493,191 +481,206 @@ class RefitCoordinator:
         cancellation every touched worker is told to abort (shielded, bounded by
         ``cleanup_timeout``), and slots come back as their readers confirm.
 
-        Error handling: :class:`VersionError` if ``version`` is not newer than the last
-        complete one; :class:`PlanError` if the trainer's parameter set changed so that a
-        worker no longer matches (nothing is sent); :class:`PushError` for a failure
-        during the transfer, naming the failing worker and every worker left without a
-        complete version, with the typed cause (:class:`WorkerDiedError`,
-        :class:`WorkerTimeoutError`, ...) chained. A cancelled push aborts the same way
-        and then lets the cancellation propagate.
+        Error handling: :class:`VersionError` if ``version`` is not newer than every
+        version begun so far (a push that failed may have left workers holding its
+        version, so its number is used up); :class:`PlanError` if the trainer's
+        parameter set changed so that a worker no longer matches (nothing is sent, and
+        the next push checks again); :class:`PushError` for a failure during the
+        transfer, naming the failing worker and every worker left without a complete
+        version, with the typed cause (:class:`WorkerDiedError`,
+        :class:`WorkerTimeoutError`, ...) chained; its cause is :class:`ClosedError`
+        when the coordinator was closed during the push. A cancelled push aborts the
+        same way and then lets the cancellation propagate.
         """
         async with self._lock:
             self._check_open()
-            if self._last_version is not None and version <= self._last_version:
-                raise VersionError(version, self._last_version)
-            if not self._workers:
-                raise AsyncRefitError("no workers to push to")
-            start = time.perf_counter()
-            infos = await self._describe_sources()
-            assert self._plan is not None
-            if infos[0].specs != self._infos[0].specs or len(infos) != len(self._infos):
-                self._infos = infos
-                await self._replan()
-            if self._unsettled:
-                await self._settle(_SETTLE_BEFORE_PUSH)
-            if not self._slots.free():
-                raise AsyncRefitError(
-                    "no staging slot is free: workers that never confirmed an abort may "
-                    f"still read them ({self._slots.quarantined()}); kill those workers "
-                    "(or wait for them) and try again"
-                )
-            plan_seconds = time.perf_counter() - start
-            account = _PushAccount(handle_bytes=dict.fromkeys(self._workers, 0))
-            try:
-                await self._transfer(version, account)
-            except BaseException as exc:
-                await self._abort(version, account)
-                primary = primary_error(exc)
-                if primary is None or not isinstance(primary, Exception):
-                    raise  # cancelled (or interrupted): clean, then let it propagate
-                failed = primary.worker if isinstance(primary, WorkerError) else None
-                raise PushError(
-                    version, primary, account.touched - account.committed, failed
-                ) from primary
-            self._last_version = version
-            return RefitReport(
-                version=version,
-                buckets=len(self._plan.buckets),
-                bytes=self._plan.payload_bytes,
-                seconds=time.perf_counter() - start,
-                stages=StageTimes(
-                    plan=plan_seconds,
-                    begin=account.begin,
-                    wait_budget=account.wait_budget,
-                    pack=account.pack,
-                    load=account.load,
-                    commit=account.commit,
-                ),
-                workers=tuple(self._workers),
-                handle_bytes_per_worker=account.handle_bytes,
-                bytes_per_transport=account.transport_bytes,
-                slots=len(self._slots),
-                slot_bytes=self._slot_bytes,
-                peak_budget_bytes=self.statistics().peak,
-            )
+            with anyio.CancelScope() as scope:
+                self._push_scope = scope
+                try:
+                    return await self._push(version)
+                finally:
+                    self._push_scope = None
+            raise ClosedError(f"the coordinator was closed before version {version} began")
 
-    async def _transfer(self, version: int, account: _PushAccount) -> None:
-        assert self._plan is not None and self._budget is not None
-        names = list(self._workers)
+    async def _push(self, version: int) -> RefitReport:
+        self._ledger.check_version(version)
+        if not self._ledger.members:
+            raise AsyncRefitError("no workers to push to")
+        start = time.perf_counter()
+        infos = await self._describe_sources()
+        if self._stale or self._topology is None or tuple(infos) != self._topology.infos:
+            await self._replan(infos, self._ledger.members.values())
+        if self._ledger.unsettled():
+            await self._settle(_SETTLE_BEFORE_PUSH)
+        if not self._ledger.slots.free():
+            raise AsyncRefitError(
+                "no staging slot is free: workers that never confirmed an abort may "
+                f"still read them ({self._ledger.quarantined()}); kill those workers "
+                "(or wait for them) and try again"
+            )
+        topology = self._topology
+        assert topology is not None
+        plan_seconds = time.perf_counter() - start
+        members = self._ledger.begin(version)
+        account = _PushAccount(handle_bytes=dict.fromkeys((m.name for m in members), 0))
+        try:
+            await self._transfer(version, topology, members, account)
+        except BaseException as exc:
+            await self._abort(version, account)
+            primary = primary_error(exc)
+            if primary is None or not isinstance(primary, Exception):
+                if self._state == "closed":
+                    closed = ClosedError(f"the coordinator was closed during the push of {version}")
+                    raise PushError(version, closed, account.incomplete(), None) from None
+                raise  # cancelled (or interrupted): clean, then let it propagate
+            failed = primary.worker if isinstance(primary, WorkerError) else None
+            raise PushError(version, primary, account.incomplete(), failed) from primary
+        self._ledger.complete(version)
+        return RefitReport(
+            version=version,
+            buckets=len(topology.plan.buckets),
+            bytes=topology.plan.payload_bytes,
+            seconds=time.perf_counter() - start,
+            stages=StageTimes(
+                plan=plan_seconds,
+                begin=account.begin,
+                wait_budget=account.wait_budget,
+                pack=account.pack,
+                load=account.load,
+                commit=account.commit,
+            ),
+            workers=tuple(m.name for m in members),
+            handle_bytes_per_worker=account.handle_bytes,
+            bytes_per_transport=account.transport_bytes,
+            slots=topology.slots,
+            slot_bytes=topology.slot_bytes,
+            peak_budget_bytes=self.statistics().peak,
+        )
+
+    async def _transfer(
+        self, version: int, topology: Topology, members: list[Member], account: _PushAccount
+    ) -> None:
+        budget = self._budget
+        assert budget is not None
 
         t = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            for name in names:
-                account.touched.add(name)
-                self._versions[name] = None
-                worker = self._workers[name]
+            for member in members:
+                account.touched.add(member)
                 tg.start_soon(
-                    self._call, name, "begin_update", lambda w=worker: w.begin_update(version)
+                    self._call,
+                    member,
+                    "begin_update",
+                    lambda w=member.worker: w.begin_update(version),
                 )
         account.begin = time.perf_counter() - t
 
         async with anyio.create_task_group() as tg:
-            for bucket in self._plan.buckets:
+            for bucket in topology.plan.buckets:
                 t = time.perf_counter()
-                await self._budget.acquire(self._slot_bytes)
+                await budget.acquire(topology.slot_bytes)
                 account.wait_budget += time.perf_counter() - t
-                slot = self._slots.take()
-                tg.start_soon(self._send_bucket, version, bucket, slot, account)
+                slot = self._ledger.slots.take()
+                tg.start_soon(self._send_bucket, version, topology, members, bucket, slot, account)
 
         t = time.perf_counter()
-        buckets = len(self._plan.buckets)
+        buckets = len(topology.plan.buckets)
 
-        async def commit(name: str) -> None:
-            worker = self._workers[name]
-            await self._call(name, "commit_update", lambda: worker.commit_update(version, buckets))
-            account.committed.add(name)
-            self._versions[name] = version
+        async def commit(member: Member) -> None:
+            worker = member.worker
+            await self._call(
+                member, "commit_update", lambda: worker.commit_update(version, buckets)
+            )
+            account.committed.add(member)
+            self._ledger.committed(member, version)
 
         async with anyio.create_task_group() as tg:
-            for name in names:
-                tg.start_soon(commit, name)
+            for member in members:
+                tg.start_soon(commit, member)
         account.commit = time.perf_counter() - t
 
-    def _devices_to_export(self, source: int) -> list[DeviceId]:
-        mine = {d for n, d in self._devices.items() if self._source_of[n] == source}
-        info = self._infos[source]
-        if self._broadcast_all and info.devices is not None:
-            mine |= {DeviceId(node=info.node, device=d) for d in info.devices}
-        return sorted(mine)
-
     async def _send_bucket(
-        self, version: int, bucket: Bucket, slot: int, account: _PushAccount
+        self,
+        version: int,
+        topology: Topology,
+        members: list[Member],
+        bucket: Bucket,
+        slot: int,
+        account: _PushAccount,
     ) -> None:
         try:
             t = time.perf_counter()
             handles: dict[DeviceId, Handle] = {}
 
             async def export(source: int) -> None:
-                devices = self._devices_to_export(source)
+                devices = topology.devices_to_export(source, every_device=self._broadcast_all)
                 exported = await self._sources[source].export(bucket, slot, devices)
                 if self._verify and any(h.checksum is None for h in exported):
                     raise TransportError(
-                        f"trainer source {self._infos[source].name!r} sent bucket "
+                        f"trainer source {topology.infos[source].name!r} sent bucket "
                         f"{bucket.index} without a checksum, but verify=True"
                     )
                 handles.update(zip(devices, exported, strict=True))
 
             async with anyio.create_task_group() as tg:
-                for source in self._used_sources():
+                for source in topology.used_sources:
                     tg.start_soon(export, source)
             account.pack += time.perf_counter() - t
 
             t = time.perf_counter()
             every = tuple(handles[d] for d in sorted(handles))
             async with anyio.create_task_group() as tg:
-                for source in self._used_sources():
+                for source in topology.used_sources:
                     src = self._sources[source]
                     if isinstance(src, TransmittingSource):
                         tg.start_soon(src.transmit, bucket, slot)
-                for name, device in self._devices.items():
-                    mine = every if self._broadcast_all else (handles[device],)
-                    account.handle_bytes[name] += encoded_size(
+                for member in members:
+                    mine = every if self._broadcast_all else (handles[member.device],)
+                    account.handle_bytes[member.name] += encoded_size(
                         LoadBucket(version=version, bucket=bucket.index, handles=mine)
                     )
-                    kind = handles[device].kind
+                    kind = handles[member.device].kind
                     account.transport_bytes[kind] = (
                         account.transport_bytes.get(kind, 0) + bucket.payload_bytes
                     )
-                    self._slots.reading(slot, name)
-                    tg.start_soon(self._load_one, name, version, bucket.index, mine, slot)
+                    self._ledger.slots.reading(slot, member)
+                    tg.start_soon(self._load_one, member, version, bucket.index, mine, slot)
             account.load += time.perf_counter() - t
         finally:
-            if self._slots.finish(slot):
+            if self._ledger.slots.finish(slot):
                 self._release_slots([slot])
 
     async def _load_one(
-        self, name: str, version: int, bucket: int, handles: tuple[Handle, ...], slot: int
+        self, member: Member, version: int, bucket: int, handles: tuple[Handle, ...], slot: int
     ) -> None:
-        worker = self._workers[name]
+        worker = member.worker
         await self._call(
-            name, f"load_bucket({bucket})", lambda: worker.load_bucket(version, bucket, handles)
+            member, f"load_bucket({bucket})", lambda: worker.load_bucket(version, bucket, handles)
         )
-        self._slots.acked(slot, name)
+        self._ledger.slots.acked(slot, member)
 
     async def _abort(self, version: int, account: _PushAccount) -> None:
         """Tell every touched worker to abort; shielded and bounded."""
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + self._cleanup_timeout
             async with anyio.create_task_group() as tg:
-                for name in sorted(account.touched - account.committed):
-                    tg.start_soon(self._abort_one, name, version)
-        if self._slots.quarantined():
+                for member in account.touched - account.committed:
+                    tg.start_soon(self._abort_one, member, version)
+        if self._ledger.quarantined():
             logger.warning(
                 "push %s aborted; slots still held for unresponsive workers: %s",
                 version,
-                self._slots.quarantined(),
+                self._ledger.quarantined(),
             )
 
-    async def _abort_one(self, name: str, version: int) -> None:
-        worker = self._workers[name]
-        if self._slots.reads_any(name):
-            # Until it confirms (also if this call is cut off by the cleanup deadline).
-            self._unsettled[name] = (worker, version)
+    async def _abort_one(self, member: Member, version: int) -> None:
+        # Owed until it confirms (also if this call is cut off by the cleanup deadline).
+        self._ledger.aborting(member, version)
         try:
-            await worker.abort_update(version)
+            await member.worker.abort_update(version)
         except WorkerDiedError:
             pass  # gone: reads nothing
         except Exception as exc:
-            logger.warning("worker %s did not confirm abort of %s: %s", name, version, exc)
+            logger.warning("worker %s did not confirm abort of %s: %s", member.name, version, exc)
             return
-        self._stop_reading(name)  # confirmed: it reads no slot any more
+        self._settled(member)  # confirmed: it reads no slot any more

@@ -7,7 +7,7 @@ the error programmatically and the message always says *what* and *where*.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 
 import anyio
@@ -70,6 +70,19 @@ class DuplicateWorkerError(DiscoveryError):
         super().__init__(f"worker {worker!r} is given more than once")
 
 
+class UnknownWorkerError(DiscoveryError, KeyError):
+    """No worker of the coordinator has this name."""
+
+    def __init__(self, worker: str, known: Collection[str]) -> None:
+        self.worker = worker
+        names = ", ".join(repr(n) for n in sorted(known)) or "none"
+        self.message = f"no worker is named {worker!r} (workers: {names})"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would show the message's repr
+        return self.message
+
+
 class UnknownDeviceError(DiscoveryError):
     """A worker reported a device that no trainer source can serve."""
 
@@ -87,12 +100,24 @@ class UnknownDeviceError(DiscoveryError):
 
 
 class VersionError(AsyncRefitError):
-    """A push asked for a version that is not newer than the last complete one."""
+    """A push asked for a version that is not newer than every version begun so far.
 
-    def __init__(self, version: int, current: int) -> None:
+    ``current`` is the highest version begun; ``failed`` tells that the push which
+    began it failed: some workers may hold it, so the number cannot be used again.
+    """
+
+    def __init__(self, version: int, current: int, *, failed: bool = False) -> None:
         self.version = version
         self.current = current
-        super().__init__(f"version {version} is not newer than the last complete version {current}")
+        self.failed = failed
+        if failed:
+            message = (
+                f"version {version} is not newer than version {current}, which a push that "
+                "failed began (some workers may hold it): push a newer version"
+            )
+        else:
+            message = f"version {version} is not newer than the last complete version {current}"
+        super().__init__(message)
 
 
 # --- workers and transports ----------------------------------------------------------
@@ -128,12 +153,21 @@ class WorkerIntegrityError(WorkerRemoteError):
     """A worker's copy of a bucket did not match the trainer's checksum."""
 
 
+class WorkerProtocolError(WorkerRemoteError):
+    """A worker answered with something the protocol does not allow (a wrong type)."""
+
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(worker, "ProtocolError", message)
+
+
 #: Remote error types that map to a more specific local class.
 _REMOTE_TYPES: dict[str, type[WorkerRemoteError]] = {"IntegrityError": WorkerIntegrityError}
 
 
 def remote_error(worker: str, remote_type: str, message: str) -> WorkerRemoteError:
     """The typed error for a failure a worker reported (``remote_type``: its class name)."""
+    if remote_type == "ProtocolError":
+        return WorkerProtocolError(worker, message)
     return _REMOTE_TYPES.get(remote_type, WorkerRemoteError)(worker, remote_type, message)
 
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._exceptions import ParameterMismatchError, PlanError
+from ._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
 
 #: Default alignment of every tensor inside a bucket, in bytes.
 DEFAULT_ALIGNMENT = 256
@@ -217,3 +217,33 @@ def validate_worker(
             raise ParameterMismatchError(
                 worker, name, f"dtype {got.dtype} on the worker, {want.dtype} on the trainer"
             )
+
+
+def check_specs(worker: str, declared: object) -> tuple[ParamSpec, ...]:
+    """A worker's answer to ``parameter_specs``, checked for type: a tuple of specs.
+
+    Raises :class:`WorkerProtocolError` naming the worker and what is wrong (a value
+    that is not a sequence, an item that is not a :class:`ParamSpec`, a name that is
+    not a string, a shape that is not a tuple of non-negative ints, a dtype that is
+    not a string).
+    """
+    if isinstance(declared, str | bytes) or not isinstance(declared, Iterable):
+        raise WorkerProtocolError(
+            worker, f"parameter_specs returned {type(declared).__name__}, not a sequence of specs"
+        )
+    specs = tuple(declared)
+    for i, spec in enumerate(specs):
+        problem = None
+        if not isinstance(spec, ParamSpec):
+            problem = f"is a {type(spec).__name__}, not a ParamSpec"
+        elif not isinstance(spec.name, str):
+            problem = f"has a name of type {type(spec.name).__name__}"
+        elif not isinstance(spec.shape, tuple) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec.shape
+        ):
+            problem = f"({spec.name!r}) has shape {spec.shape!r}, not a tuple of sizes"
+        elif not isinstance(spec.dtype, str):
+            problem = f"({spec.name!r}) has a dtype of type {type(spec.dtype).__name__}"
+        if problem is not None:
+            raise WorkerProtocolError(worker, f"parameter_specs item {i} {problem}")
+    return specs

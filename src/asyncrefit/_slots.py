@@ -9,20 +9,26 @@ or is known to be gone. Until then it is *quarantined*, and its budget stays tak
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+#: What identifies a reader: the coordinator uses the worker's membership record (by
+#: identity), so that a new worker under an old name is never taken for the old one.
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(slots=True)
-class _Slot:
+class _Slot(Generic[K]):
     busy: bool = False  # taken by a bucket that is not finished yet
-    readers: set[str] = field(default_factory=set)
+    readers: set[K] = field(default_factory=set)
 
 
-class SlotTable:
+class SlotTable(Generic[K]):
     """Slots ``0..n-1`` and the workers that may be reading each one."""
 
     def __init__(self, slots: int) -> None:
-        self._slots = [_Slot() for _ in range(slots)]
+        self._slots: list[_Slot[K]] = [_Slot() for _ in range(slots)]
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -36,7 +42,7 @@ class SlotTable:
     def free(self) -> list[int]:
         return [i for i, s in enumerate(self._slots) if not s.busy and not s.readers]
 
-    def quarantined(self) -> dict[int, frozenset[str]]:
+    def quarantined(self) -> dict[int, frozenset[K]]:
         """Finished slots that workers may still be reading, with those workers."""
         return {
             i: frozenset(s.readers) for i, s in enumerate(self._slots) if not s.busy and s.readers
@@ -50,11 +56,11 @@ class SlotTable:
                 return i
         raise RuntimeError("no free slot: the budget granted more than the slots hold")
 
-    def reading(self, slot: int, worker: str) -> None:
+    def reading(self, slot: int, worker: K) -> None:
         """``worker`` was sent the handle of ``slot`` and may read it from now on."""
         self._slots[slot].readers.add(worker)
 
-    def acked(self, slot: int, worker: str) -> bool:
+    def acked(self, slot: int, worker: K) -> bool:
         """``worker`` finished reading ``slot``. True if the slot became free."""
         s = self._slots[slot]
         s.readers.discard(worker)
@@ -66,11 +72,11 @@ class SlotTable:
         s.busy = False
         return not s.readers
 
-    def reads_any(self, worker: str) -> bool:
+    def reads_any(self, worker: K) -> bool:
         """Whether ``worker`` may be reading some slot."""
         return any(worker in s.readers for s in self._slots)
 
-    def worker_done(self, worker: str) -> list[int]:
+    def worker_done(self, worker: K) -> list[int]:
         """``worker`` reads nothing any more (aborted, or gone): the slots freed by that."""
         freed = []
         for i, s in enumerate(self._slots):

@@ -16,6 +16,7 @@ from .._channel import FrameChannel, UnixListener
 from .._device import DeviceId, cpu_device
 from .._exceptions import (
     WorkerDiedError,
+    WorkerProtocolError,
     WorkerRemoteError,
     WorkerTimeoutError,
     one_error,
@@ -143,8 +144,8 @@ class LocalWorker:
     async def _expect(self, request: Request, kind: type[R]) -> R:
         reply = await self._request(request)
         if not isinstance(reply, kind):
-            raise WorkerRemoteError(
-                self._name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"
+            raise WorkerProtocolError(
+                self._name, f"expected {kind.__name__}, got {type(reply).__name__}"
             )
         return reply
 

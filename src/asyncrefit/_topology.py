@@ -1,0 +1,115 @@
+"""The topology of a refit: sources, plan, slots, and which source serves which worker.
+
+A :class:`Topology` is an immutable value, computed by :func:`plan_topology` without
+any I/O. Computing it validates everything that can be checked before a byte moves
+(the sources agree on the parameter set, the budget holds the largest bucket, every
+worker's device is served, every worker declares exactly the planned parameters). The
+coordinator then prepares the sources' buffers for it and only then swaps it in:
+a failed or cancelled re-plan leaves nothing half-committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from ._device import DeviceId
+from ._exceptions import BudgetTooSmallError, PlanError, UnknownDeviceError
+from ._ledger import Member
+from ._plan import ParamSpec, Plan, plan_buckets, validate_worker
+from ._worker import SourceInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """What a push follows; replaced whole, never changed in place."""
+
+    infos: tuple[SourceInfo, ...]
+    plan: Plan
+    slots: int
+    slot_bytes: int
+    routes: Mapping[Member, int]  # the index of the source serving each member
+
+    @property
+    def specs(self) -> tuple[ParamSpec, ...]:
+        return self.infos[0].specs
+
+    @property
+    def used_sources(self) -> tuple[int, ...]:
+        """The sources that serve a member (the first one when there is none)."""
+        return tuple(sorted(set(self.routes.values()))) or (0,)
+
+    def with_member(self, member: Member) -> Topology:
+        """This topology with ``member`` routed and validated (raises as planning does)."""
+        source = route(self.infos, member)
+        validate_worker(self.plan.specs, member.name, member.specs)
+        return replace(self, routes=MappingProxyType({**self.routes, member: source}))
+
+    def without(self, member: Member) -> Topology:
+        routes = {m: s for m, s in self.routes.items() if m is not member}
+        return replace(self, routes=MappingProxyType(routes))
+
+    def devices_to_export(self, source: int, *, every_device: bool) -> list[DeviceId]:
+        """The devices ``source`` exports handles for: its members' (all, with
+        ``every_device``, for the broadcast-all baseline)."""
+        mine = {m.device for m, s in self.routes.items() if s == source}
+        info = self.infos[source]
+        if every_device and info.devices is not None:
+            mine |= {DeviceId(node=info.node, device=d) for d in info.devices}
+        return sorted(mine)
+
+
+def route(infos: Sequence[SourceInfo], member: Member) -> int:
+    """The first source that serves ``member``'s device."""
+    for i, info in enumerate(infos):
+        if info.serves(member.device):
+            return i
+    raise UnknownDeviceError(
+        member.name,
+        member.device,
+        [f"{i.node}/{'*' if i.devices is None else ','.join(sorted(i.devices))}" for i in infos],
+    )
+
+
+def plan_topology(
+    infos: Sequence[SourceInfo],
+    members: Iterable[Member],
+    *,
+    budget_bytes: int,
+    bucket_bytes: int,
+    alignment: int,
+) -> Topology:
+    """Plan buckets and slots for ``infos`` and route and validate every member.
+
+    Raises :class:`PlanError` (sources disagree, budget too small, a worker's
+    parameters do not match) or :class:`UnknownDeviceError`; pure.
+    """
+    if not infos:
+        raise PlanError("there is no trainer source")
+    specs = infos[0].specs
+    for info in infos[1:]:
+        if info.specs != specs:
+            raise PlanError(
+                f"trainer sources {infos[0].name!r} and {info.name!r} hold different parameter sets"
+            )
+    plan = plan_buckets(specs, bucket_bytes, alignment=alignment)
+    slot_bytes = max(1, plan.max_bucket_bytes)
+    if slot_bytes > budget_bytes:
+        largest = max(plan.buckets, key=lambda b: b.nbytes)
+        what = (
+            f"parameter {largest.entries[0].name!r}"
+            if len(largest.entries) == 1
+            else f"bucket {largest.index}"
+        )
+        raise BudgetTooSmallError(budget_bytes, slot_bytes, what)
+    topology = Topology(
+        infos=tuple(infos),
+        plan=plan,
+        slots=max(1, min(budget_bytes // slot_bytes, len(plan.buckets))),
+        slot_bytes=slot_bytes,
+        routes=MappingProxyType({}),
+    )
+    for member in members:
+        topology = topology.with_member(member)
+    return topology
