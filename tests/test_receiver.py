@@ -301,6 +301,30 @@ def test_push_arrives_bit_exact(
     assert len(importer) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e4m3fn"])
+def test_low_precision_dtypes_arrive_bit_exact(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter, dtype: str
+) -> None:
+    # MX-style weights: packed fp4 values (two per byte) with one e8m0 scale per block.
+    source = {
+        "w": random_tensor((16, 8), torch_dtype(dtype), 1),
+        "scale": random_tensor((16, 1), torch.float8_e8m0fnu, 2),
+        "bias": random_tensor((16,), torch.bfloat16, 3),
+    }
+    params = destination_like(source)
+    plan = plan_buckets(specs_of(source), 1 << 20)
+    assert plan.buckets[0].entries[0].nbytes == 16 * 8  # torch's element size: 1 byte
+    exporter.allocate(1, plan.max_bucket_bytes)
+    receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
+    try:
+        push(receiver, exporter, plan, source, version=1, devices=(DEV,))
+    finally:
+        receiver.close()
+    assert receiver.version == 1
+    for n, t in source.items():
+        assert same_bits(params[n], t), n
+
+
 def test_default_importer_is_shared_memory(exporter: SharedMemoryExporter) -> None:
     source = {"w": random_tensor((8, 8), torch.bfloat16, 3)}
     params = destination_like(source)

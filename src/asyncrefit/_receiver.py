@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from ._checksum import checksum
 from ._device import DeviceId
+from ._dtypes import dtype_name, torch_dtype
 from ._exceptions import AsyncRefitError, IntegrityError, TransportError
 from ._messages import BucketAck
 from ._plan import ParamSpec
-from .transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
+from .transport._base import Handle, Importer, make_importer
 
 if TYPE_CHECKING:
     import torch

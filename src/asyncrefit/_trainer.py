@@ -17,10 +17,11 @@ import anyio
 
 from ._checksum import checksum
 from ._device import DeviceId, local_node_id
+from ._dtypes import dtype_name, torch_dtype
 from ._exceptions import ClosedError, PlanError, TransportError
 from ._plan import ParamSpec
 from ._worker import SourceInfo
-from .transport._base import Exporter, Handle, dtype_name, torch_dtype
+from .transport._base import Exporter, Handle
 
 if TYPE_CHECKING:
     import torch
