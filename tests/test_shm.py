@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -217,6 +218,63 @@ def test_importer_empty_segment_raises_transport_error(importer: SharedMemoryImp
             importer.open(handle)
     finally:
         os.unlink(path)
+
+
+@pytest.fixture
+def victim(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A file outside /dev/shm that no handle may reach."""
+    path = tmp_path / "victim"
+    path.write_bytes(b"precious" * PAGE)
+    return path
+
+
+def mapped(path: pathlib.Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+@pytest.mark.parametrize(
+    "kind", ["absolute", "dotdot", "inside-dotdot", "subdir", "newline", "foreign", "empty"]
+)
+def test_importer_refuses_names_the_exporter_does_not_make(
+    importer: SharedMemoryImporter, victim: pathlib.Path, kind: str
+) -> None:
+    ours = f"asyncrefit-{os.getpid()}-00ff00ff-1-0"
+    name = {
+        "absolute": str(victim),
+        "dotdot": os.path.relpath(victim, SHM_DIR),
+        "inside-dotdot": f"{ours}/../{os.path.relpath(victim, SHM_DIR)}",
+        "subdir": f"{ours}/x",
+        "newline": ours + "\n",
+        "foreign": "somebody-elses-segment",
+        "empty": "",
+    }[kind]
+    before = victim.read_bytes(), victim.stat().st_mtime_ns
+    handle = ShmHandle(device=DEV, bucket=3, nbytes=16, entries=a_bucket(16).entries, segment=name)
+    with pytest.raises(TransportError, match=r"bucket 3 names segment .*not a segment name"):
+        importer.open(handle)
+    assert len(importer) == 0
+    assert not mapped(victim)
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+
+
+def test_importer_does_not_follow_a_link_with_a_segment_name(
+    importer: SharedMemoryImporter, victim: pathlib.Path
+) -> None:
+    # /dev/shm is writable by everyone: a link there with a well-formed name must not
+    # lead a worker to map another file.
+    name = f"asyncrefit-{os.getpid()}-00ff00ff-1-0"
+    link = os.path.join(SHM_DIR, name)
+    os.symlink(victim, link)
+    try:
+        handle = ShmHandle(
+            device=DEV, bucket=0, nbytes=16, entries=a_bucket(16).entries, segment=name
+        )
+        with pytest.raises(TransportError, match="cannot open"):
+            importer.open(handle)
+        assert not mapped(victim)
+    finally:
+        os.unlink(link)
 
 
 def test_importer_rejects_foreign_handle(importer: SharedMemoryImporter) -> None:

@@ -35,20 +35,30 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "asyncrefit"
-_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-\d+-\d+$")
+#: The names :func:`segment_name` makes: pid, token, generation, index. A handle naming
+#: anything else (an absolute path, ``..``, a subdirectory) is refused.
+_NAME_RE = re.compile(rf"{PREFIX}-([0-9]+)-([0-9a-f]+)-([0-9]+)-([0-9]+)")
+_NAME_FORM = f"{PREFIX}-<pid>-<token>-<generation>-<index>"
 _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShmHandle(Handle):
-    """A bucket in the shared-memory segment ``segment`` (a name under /dev/shm)."""
+    """A bucket in the shared-memory segment ``segment`` (a name under /dev/shm).
+
+    Only names of the form :func:`segment_name` makes are opened: a worker refuses any
+    other (an absolute path, ``..``, a link), so a handle cannot make it map a file.
+    """
 
     kind: ClassVar[str] = "shm"
     segment: str
 
 
 def _path(name: str) -> str:
+    """The path of segment ``name``: only names of this library's form, under SHM_DIR."""
+    if not _NAME_RE.fullmatch(name):
+        raise TransportError(f"{name!r} is not a segment name ({_NAME_FORM})")
     return os.path.join(SHM_DIR, name)
 
 
@@ -72,7 +82,7 @@ class _Segment:
     @classmethod
     def create(cls, name: str, size: int) -> _Segment:
         try:
-            fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise TransportError(f"cannot create shared memory segment {name!r}: {exc}") from exc
         try:
@@ -92,7 +102,8 @@ class _Segment:
     @classmethod
     def open(cls, name: str) -> _Segment:
         try:
-            fd = os.open(_path(name), os.O_RDWR)
+            # Not through a link: /dev/shm is writable by every user of the machine.
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise TransportError(f"cannot open shared memory segment {name!r}: {exc}") from exc
         try:
@@ -148,7 +159,7 @@ def sweep_stale_segments() -> list[str]:
     except OSError:
         return removed
     for name in names:
-        match = _NAME_RE.match(name)
+        match = _NAME_RE.fullmatch(name)
         if match and not _pid_alive(int(match.group(1))):
             _unlink(name)
             removed.append(name)
@@ -247,6 +258,11 @@ class SharedMemoryImporter:
     def open(self, handle: Handle) -> torch.Tensor:
         if not isinstance(handle, ShmHandle):
             raise TransportError(f"shared memory cannot open a {handle.kind!r} handle")
+        if not _NAME_RE.fullmatch(handle.segment):
+            raise TransportError(
+                f"the handle of bucket {handle.bucket} names segment {handle.segment!r}, "
+                f"which is not a segment name ({_NAME_FORM} under {SHM_DIR})"
+            )
         seg = self._cache.get(handle.segment)
         if seg is None:
             seg = _Segment.open(handle.segment)
