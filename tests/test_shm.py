@@ -48,7 +48,7 @@ def dead_pid() -> int:
 
 @pytest.fixture
 def importer() -> Iterator[SharedMemoryImporter]:
-    imp = SharedMemoryImporter(max_cached=2)
+    imp = SharedMemoryImporter()
     try:
         yield imp
     finally:
@@ -148,22 +148,61 @@ def test_importer_caches_and_sees_exporter_writes(
     del t1, t2
 
 
-def test_importer_evicts_least_recently_used(
+def test_importer_keeps_every_segment_of_a_generation_mapped(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter
+) -> None:
+    exporter.allocate(40, 100)  # more segments than any small cache would hold
+    handles = [exporter.handle(i, a_bucket(), DEV) for i in range(40)]
+    first = [importer.open(h).data_ptr() for h in handles]
+    assert len(importer) == 40
+    # With the names unlinked, only cached mappings can still be opened: all of them are.
+    names = exporter.segment_names
+    for name in names:
+        os.unlink(os.path.join(SHM_DIR, name))
+    try:
+        for _ in range(2):
+            assert [importer.open(h).data_ptr() for h in handles] == first
+        assert len(importer) == 40
+    finally:
+        for name in names:  # let the exporter's close unlink them again
+            open(os.path.join(SHM_DIR, name), "wb").close()
+
+
+def test_importer_drops_mappings_of_an_older_generation(
     exporter: SharedMemoryExporter, importer: SharedMemoryImporter
 ) -> None:
     exporter.allocate(3, 100)
-    h0, h1, h2 = (exporter.handle(i, a_bucket(), DEV) for i in range(3))
-    for h in (h0, h1, h0, h2):  # h1 is the least recently used when h2 arrives
-        importer.open(h)
-        assert len(importer) <= 2
+    for i in range(3):
+        importer.open(exporter.handle(i, a_bucket(), DEV))
+    assert len(importer) == 3
+    exporter.allocate(2, 2 * PAGE)  # re-allocated: a new generation of names
+    new = exporter.handle(0, a_bucket(), DEV)
+    assert importer.open(new).numel() == 2 * PAGE
+    assert len(importer) == 1  # the three old mappings went with the first new handle
+    importer.open(exporter.handle(1, a_bucket(), DEV))
     assert len(importer) == 2
-    # With the segments unlinked, only cached mappings can still be opened.
-    exporter.close()
-    assert importer.open(h0).numel() == PAGE
-    assert importer.open(h2).numel() == PAGE
-    with pytest.raises(TransportError, match="cannot open"):
-        importer.open(h1)
-    assert len(importer) == 2
+
+
+def test_importer_drops_unlinked_mappings_when_a_new_exporter_appears(
+    importer: SharedMemoryImporter,
+) -> None:
+    old, live, new = SharedMemoryExporter(), SharedMemoryExporter(), SharedMemoryExporter()
+    try:
+        for ex in (old, live, new):
+            ex.allocate(2, 100)
+        for ex in (old, live):
+            for i in range(2):
+                importer.open(ex.handle(i, a_bucket(), DEV))
+        assert len(importer) == 4
+        old.close()  # its names are unlinked; the worker's mappings pin the memory
+        assert len(importer) == 4
+        importer.open(new.handle(0, a_bucket(), DEV))
+        assert len(importer) == 3  # live's two and new's one
+        importer.open(live.handle(1, a_bucket(), DEV))
+        assert len(importer) == 3
+    finally:
+        for ex in (old, live, new):
+            ex.close()
 
 
 def test_importer_close_drops_mappings(exporter: SharedMemoryExporter) -> None:

@@ -124,3 +124,40 @@ async def test_shared_trainer_rejects_a_changed_parameter() -> None:
             await trainer.export(bucket, 0, [cpu_device(0)])
     finally:
         await trainer.aclose()
+
+
+async def test_every_shared_segment_is_mapped_once_across_pushes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One segment per bucket, and more buckets than any small cache of mappings: the
+    # worker maps each segment at the first push and never again.
+    from asyncrefit.transport import shm
+
+    opened: list[str] = []
+    real_open = shm._Segment.open
+
+    def counting_open(name: str) -> shm._Segment:
+        opened.append(name)
+        return real_open(name)
+
+    monkeypatch.setattr(shm._Segment, "open", staticmethod(counting_open))
+    params = {f"p{i}": torch.randn(1024) for i in range(24)}  # 4 KiB each
+    trainer = SharedParameterTrainer(params)
+    workers = [FakeWorker(name="w0", device=cpu_device(0), parameters=_zeros_like(params))]
+    async with RefitCoordinator(
+        trainer=trainer, workers=workers, budget_bytes=64 * KIB, bucket_bytes=4 * KIB
+    ) as refit:
+        assert refit.plan is not None and len(refit.plan.buckets) == 24
+        await refit.push(1)
+        assert len(opened) == 24 and len(set(opened)) == 24
+        with torch.no_grad():
+            for t in params.values():
+                t.add_(1)
+        await refit.push(2)
+        assert len(opened) == 24, "a segment was mapped again at the second push"
+        for name, t in params.items():
+            assert torch.equal(workers[0].parameters[name], t), name
+
+
+def _zeros_like(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in params.items()}

@@ -18,7 +18,6 @@ import mmap
 import os
 import re
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -241,19 +240,31 @@ class SharedMemoryExporter:
 
 
 class SharedMemoryImporter:
-    """Worker-side mappings of shared-memory segments, cached by name (LRU).
+    """Worker-side mappings of shared-memory segments, cached by name.
 
-    Resource handling: a mapping stays open across pushes (slots are reused) until it
-    is evicted (more than ``max_cached`` segments) or :meth:`close` is called. Callers
-    must drop their slices of the returned tensor before acknowledging a bucket.
+    A segment is mapped (its pages faulted in once) the first time a handle names it,
+    and stays mapped across pushes: every segment a source uses, however many (a
+    :class:`~asyncrefit.SharedParameterTrainer` has one per bucket), is read from its
+    cached mapping from then on. There is no fixed cap that a large plan would cycle
+    through, re-mapping every segment at every push.
+
+    Resource handling: a name carries its exporter (pid and token) and the exporter's
+    generation, which grows whenever it re-allocates. The first handle of a newer
+    generation drops that exporter's older mappings; the first handle of an exporter
+    not seen before drops the mappings whose names were unlinked (closed exporters').
+    :meth:`close` drops every mapping. Callers must drop their slices of the returned
+    tensor before acknowledging a bucket.
     """
 
-    def __init__(self, max_cached: int = 16) -> None:
-        self._max = max_cached
-        self._cache: OrderedDict[str, _Segment] = OrderedDict()
+    def __init__(self) -> None:
+        self._cache: dict[str, _Segment] = {}
+        self._newest: dict[tuple[int, str], int] = {}  # exporter -> newest generation
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def __repr__(self) -> str:
+        return f"<SharedMemoryImporter mapped={len(self._cache)}>"
 
     def open(self, handle: Handle) -> torch.Tensor:
         if not isinstance(handle, ShmHandle):
@@ -265,13 +276,8 @@ class SharedMemoryImporter:
             )
         seg = self._cache.get(handle.segment)
         if seg is None:
-            seg = _Segment.open(handle.segment)
-            self._cache[handle.segment] = seg
-            while len(self._cache) > self._max:
-                _, old = self._cache.popitem(last=False)
-                old.close()
-        else:
-            self._cache.move_to_end(handle.segment)
+            self._forget_stale(handle.segment)
+            seg = self._cache[handle.segment] = _Segment.open(handle.segment)
         if seg.size < handle.nbytes or seg.tensor is None:
             raise TransportError(
                 f"segment {handle.segment!r} holds {seg.size} bytes, "
@@ -279,10 +285,36 @@ class SharedMemoryImporter:
             )
         return seg.tensor
 
+    def _forget_stale(self, name: str) -> None:
+        """Before mapping ``name``: drop the mappings that no handle will name again."""
+        owner, generation = _owner(name)
+        newest = self._newest.get(owner)
+        if newest is None:  # a new exporter; closed ones unlinked their names
+            stale = [n for n in self._cache if not os.path.exists(os.path.join(SHM_DIR, n))]
+        elif generation > newest:  # this exporter re-allocated
+            stale = [n for n in self._cache if _owner(n)[0] == owner and _owner(n)[1] < generation]
+        else:
+            stale = []
+        for n in stale:
+            self._cache.pop(n).close()
+        if newest is None or generation > newest:
+            self._newest[owner] = generation
+        if stale:
+            held = {_owner(n)[0] for n in self._cache} | {owner}
+            self._newest = {o: g for o, g in self._newest.items() if o in held}
+
     def finish(self, handle: Handle) -> None:
         pass  # CPU copies are complete when copy_ returns
 
     def close(self) -> None:
-        cache, self._cache = self._cache, OrderedDict()
+        cache, self._cache = self._cache, {}
+        self._newest = {}
         for seg in cache.values():
             seg.close()
+
+
+def _owner(name: str) -> tuple[tuple[int, str], int]:
+    """The exporter (pid, token) and generation in a segment name of our form."""
+    match = _NAME_RE.fullmatch(name)
+    assert match is not None, name
+    return (int(match.group(1)), match.group(2)), int(match.group(3))
