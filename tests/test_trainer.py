@@ -8,7 +8,8 @@ import torch
 from asyncrefit import (
     ClosedError,
     LocalTrainer,
-    PlanError,
+    PackError,
+    PushError,
     RefitCoordinator,
     SharedParameterTrainer,
     cpu_device,
@@ -120,10 +121,61 @@ async def test_shared_trainer_rejects_a_changed_parameter() -> None:
     try:
         model[2].bias = torch.nn.Parameter(torch.zeros(65))
         bucket = next(b for b in plan.buckets if any(e.name == "2.bias" for e in b.entries))
-        with pytest.raises(PlanError, match=r"2\.bias"):
+        with pytest.raises(PackError, match=r"2\.bias") as info:
             await trainer.export(bucket, 0, [cpu_device(0)])
+        assert (info.value.source, info.value.bucket) == ("trainer", bucket.index)
+        assert "changed shape or dtype" in str(info.value)
     finally:
         await trainer.aclose()
+
+
+def with_meta(name: str) -> dict[str, torch.Tensor]:
+    """Parameters of which ``name`` has a shape and a dtype but no data (a meta tensor)."""
+    params = {f"p{i}": torch.randn(1024) for i in range(4)}  # 4 KiB each
+    params[name] = torch.empty(1024, device="meta")
+    return params
+
+
+async def test_a_pack_failure_names_the_source_bucket_and_parameter() -> None:
+    params = with_meta("p2")
+    trainer = LocalTrainer(params, name="policy")
+    plan = plan_buckets(trainer.specs(), 4 * KIB)
+    await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    try:
+        await trainer.export(plan.buckets[1], 0, [cpu_device(0)])  # fine
+        with pytest.raises(PackError) as info:
+            await trainer.export(plan.buckets[2], 0, [cpu_device(0)])
+    finally:
+        await trainer.aclose()
+    err = info.value
+    assert (err.source, err.bucket, err.parameter) == ("policy", 2, "p2")
+    assert "trainer source 'policy', bucket 2, parameter 'p2'" in str(err)
+    assert "meta" in str(err)  # what went wrong, from the cause
+    assert err.__cause__ is not None
+
+
+async def test_a_pack_failure_fails_the_push_naming_the_parameter() -> None:
+    params = with_meta("p3")
+    workers = [FakeWorker(name="w0", device=cpu_device(0), parameters=_zeros_like(params))]
+    async with RefitCoordinator(
+        trainer=LocalTrainer(params), workers=workers, budget_bytes=64 * KIB, bucket_bytes=4 * KIB
+    ) as refit:
+        with pytest.raises(PushError) as info:
+            await refit.push(1)
+    assert isinstance(info.value.cause, PackError)
+    assert "bucket 3, parameter 'p3'" in str(info.value)
+
+
+async def test_shared_trainer_names_a_parameter_it_cannot_place_and_leaks_nothing() -> None:
+    params = with_meta("p1")
+    trainer = SharedParameterTrainer(params, name="shared")
+    plan = plan_buckets(trainer.specs(), 4 * KIB)
+    with pytest.raises(PackError) as info:
+        await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    assert (info.value.source, info.value.bucket, info.value.parameter) == ("shared", 1, "p1")
+    assert "not the CPU" in str(info.value)
+    assert own_segments() == []  # the segments made for the layout were unlinked
+    await trainer.aclose()
 
 
 async def test_every_shared_segment_is_mapped_once_across_pushes(

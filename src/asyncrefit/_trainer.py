@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -18,7 +19,7 @@ import anyio
 from ._checksum import checksum
 from ._device import DeviceId, local_node_id
 from ._dtypes import dtype_name, torch_dtype
-from ._exceptions import ClosedError, PlanError, TransportError
+from ._exceptions import ClosedError, PackError
 from ._plan import ParamSpec
 from ._worker import SourceInfo
 from .transport._base import Exporter, Handle
@@ -26,7 +27,7 @@ from .transport._base import Exporter, Handle
 if TYPE_CHECKING:
     import torch
 
-    from ._plan import Bucket, Plan
+    from ._plan import Bucket, Plan, TensorEntry
     from .transport.shm import ShmHandle, _Segment
 
 logger = logging.getLogger(__name__)
@@ -98,14 +99,32 @@ class _InProcessSource:
         )
 
     def _tensor(
-        self, tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: str
+        self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
-        tensor = tensors.get(name)
+        """The tensor of ``entry``, still of the planned shape and dtype."""
+        tensor = tensors.get(entry.name)
         if tensor is None:
-            raise PlanError(f"parameter {name!r} disappeared from the trainer")
-        if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-            raise PlanError(f"parameter {name!r} changed shape or dtype mid-push")
+            raise PackError(self._name, bucket, entry.name, "disappeared from the trainer")
+        got = (tuple(tensor.shape), dtype_name(tensor.dtype))
+        if got != (entry.shape, entry.dtype):
+            raise PackError(
+                self._name,
+                bucket,
+                entry.name,
+                f"changed shape or dtype mid-push: {got[1]}{list(got[0])} now, "
+                f"{entry.dtype}{list(entry.shape)} planned",
+            )
         return tensor
+
+    @contextmanager
+    def _packing(self, bucket: int, entry: TensorEntry) -> Iterator[None]:
+        """Turn an error while packing ``entry`` into a :class:`PackError` that names it."""
+        try:
+            yield
+        except PackError:
+            raise
+        except Exception as exc:
+            raise PackError(self._name, bucket, entry.name, f"{type(exc).__name__}: {exc}") from exc
 
 
 class LocalTrainer(_InProcessSource):
@@ -123,6 +142,10 @@ class LocalTrainer(_InProcessSource):
     Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
     (also on every error path of the coordinator that owns this source); a source can
     be prepared again after ``aclose``.
+
+    Error handling: a parameter that cannot be packed (it disappeared, changed shape or
+    dtype, or its copy failed) raises :class:`~asyncrefit.PackError` naming this
+    source, the bucket and the parameter, with the underlying error chained.
     """
 
     def __init__(
@@ -167,9 +190,10 @@ class LocalTrainer(_InProcessSource):
         packed = []
         with torch.no_grad():
             for e in bucket.entries:
-                tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
-                dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                dst.view(e.shape).copy_(tensor)
+                with self._packing(bucket.index, e):
+                    tensor = self._tensor(tensors, bucket.index, e)
+                    dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
+                    dst.view(e.shape).copy_(tensor)
                 packed.append(dst)
         self._exporter.seal(slot)
         # Over the packed bytes, not the source: what the workers will read.
@@ -206,7 +230,12 @@ class SharedParameterTrainer(_InProcessSource):
 
     Resource handling: ``aclose`` unlinks every segment name (nothing is left under
     ``/dev/shm``); the parameters keep their memory, which stays valid for as long as
-    the tensors live. Shared memory counts against the ``/dev/shm`` size limit.
+    the tensors live. Shared memory counts against the ``/dev/shm`` size limit. A
+    layout that fails part-way unlinks the segments it made.
+
+    Error handling: a parameter that cannot be laid out or exported (not on the CPU,
+    changed shape or dtype, its copy failed) raises :class:`~asyncrefit.PackError`
+    naming this source, the bucket and the parameter.
     """
 
     def __init__(
@@ -257,32 +286,36 @@ class SharedParameterTrainer(_InProcessSource):
             for seg in segments.values():
                 _unlink_segment(seg)
             raise
-        with torch.no_grad():
-            for bucket in plan.buckets:
-                base = segments[bucket.index].tensor
-                assert base is not None
-                for e in bucket.entries:
-                    self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
+        try:
+            with torch.no_grad():
+                for bucket in plan.buckets:
+                    base = segments[bucket.index].tensor
+                    assert base is not None
+                    for e in bucket.entries:
+                        self._place(base, bucket.index, e, tensors)
+        except BaseException:
+            # Parameters placed so far keep their memory (their views hold it).
+            for seg in segments.values():
+                _unlink_segment(seg)
+            raise
         self._segments = segments
         self._fingerprint = plan.fingerprint
 
     def _place(
         self,
         base: torch.Tensor,
-        offset: int,
-        nbytes: int,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: str,
+        bucket: int,
+        e: TensorEntry,
         tensors: Mapping[str, torch.Tensor],
     ) -> None:
-        tensor = self._tensor(tensors, name, shape, dtype)
-        if tensor.device.type != "cpu":
-            raise TransportError(f"parameter {name!r} is on {tensor.device}, not the CPU")
-        view = base[offset : offset + nbytes].view(torch_dtype(dtype)).view(shape)
-        view.copy_(tensor)
-        tensor.data = view
-        self._addresses[name] = view.data_ptr()
+        with self._packing(bucket, e):
+            tensor = self._tensor(tensors, bucket, e)
+            if tensor.device.type != "cpu":
+                raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
+            view = base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            view.copy_(tensor)
+            tensor.data = view
+            self._addresses[e.name] = view.data_ptr()
 
     def _refresh(self, bucket: Bucket) -> int | None:
         import torch
@@ -292,9 +325,9 @@ class SharedParameterTrainer(_InProcessSource):
         assert base is not None
         with torch.no_grad():
             for e in bucket.entries:
-                tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
+                tensor = self._tensor(tensors, bucket.index, e)
                 if e.nbytes and tensor.data_ptr() != self._addresses.get(e.name):
-                    self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
+                    self._place(base, bucket.index, e, tensors)
                     self.relocated += 1
         if not self._checksum:
             return None
