@@ -213,3 +213,31 @@ async def test_every_shared_segment_is_mapped_once_across_pushes(
 
 def _zeros_like(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in params.items()}
+
+
+async def test_shared_trainer_keeps_every_parameters_strides() -> None:
+    params = {
+        "normal": torch.randn(8, 16),
+        "transposed": torch.randn(16, 8).t(),  # shape (8, 16), strides (1, 8)
+        "channels_last": torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last),
+        "bias": torch.randn(16),
+    }
+    strides = {n: t.stride() for n, t in params.items()}
+    assert not params["transposed"].is_contiguous()
+    trainer = SharedParameterTrainer(params)
+    workers = [FakeWorker(name="w0", device=cpu_device(0), parameters=_zeros_like(params))]
+    async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=64 * KIB) as refit:
+        assert {n: t.stride() for n, t in params.items()} == strides
+        # contiguous parameters live in the shared segments; the others keep their memory
+        assert shm_backed(params["normal"]) and shm_backed(params["bias"])
+        assert not shm_backed(params["transposed"])
+        assert not shm_backed(params["channels_last"])
+        for version in (1, 2):
+            with torch.no_grad():
+                for t in params.values():
+                    t.mul_(2).add_(version)  # an optimizer step, in place
+            await refit.push(version)
+            for name, t in params.items():
+                assert torch.equal(workers[0].parameters[name], t), (version, name)
+            assert {n: t.stride() for n, t in params.items()} == strides
+        assert trainer.relocated == 0

@@ -221,7 +221,9 @@ class SharedParameterTrainer(_InProcessSource):
     (one copy, once per plan) and rebinds each parameter's ``.data`` to its place
     there; optimizer steps then update the shared memory in place, and a push exports
     handles to it without packing. A parameter the training loop replaced (its storage
-    moved) is copied back into place at the next push.
+    moved) is copied back into place at the next push. Strides never change: a
+    parameter that is not laid out row-major (a transposed or ``channels_last`` weight)
+    keeps its own memory and is copied into its segment at every push.
 
     Workers read the parameters while a push runs: do not step the optimizer then (the
     push returns only after every worker acknowledged). A worker that hangs past the
@@ -314,8 +316,15 @@ class SharedParameterTrainer(_InProcessSource):
                 raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
             view = base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
             view.copy_(tensor)
-            tensor.data = view
-            self._addresses[e.name] = view.data_ptr()
+            if tensor.stride() == view.stride():
+                tensor.data = view  # from now on it lives in the segment
+                self._addresses[e.name] = view.data_ptr()
+            else:
+                # Workers read a bucket's bytes in row-major order, so a transposed or
+                # channels_last tensor cannot live in the segment without changing its
+                # strides under the training loop: it keeps its own memory, and its
+                # values are copied into the segment at every push instead.
+                self._addresses.pop(e.name, None)
 
     def _refresh(self, bucket: Bucket) -> int | None:
         import torch
@@ -326,9 +335,11 @@ class SharedParameterTrainer(_InProcessSource):
         with torch.no_grad():
             for e in bucket.entries:
                 tensor = self._tensor(tensors, bucket.index, e)
-                if e.nbytes and tensor.data_ptr() != self._addresses.get(e.name):
+                address = self._addresses.get(e.name)
+                if e.nbytes and tensor.data_ptr() != address:
                     self._place(base, bucket.index, e, tensors)
-                    self.relocated += 1
+                    if address is not None:  # it lived in the segment and was replaced
+                        self.relocated += 1
         if not self._checksum:
             return None
         return checksum(base[e.offset : e.offset + e.nbytes] for e in bucket.entries)
