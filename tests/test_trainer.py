@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import anyio
 import pytest
 import torch
 
 from asyncrefit import (
     ClosedError,
+    DeviceId,
     LocalTrainer,
     PackError,
+    Plan,
     PushError,
     RefitCoordinator,
     SharedParameterTrainer,
     cpu_device,
     plan_buckets,
 )
+from asyncrefit._plan import Bucket
 from asyncrefit._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.transport import Handle, SharedMemoryExporter
 
 from .fakes import FakeWorker
 from .helpers import own_segments
@@ -241,3 +249,116 @@ async def test_shared_trainer_keeps_every_parameters_strides() -> None:
                 assert torch.equal(workers[0].parameters[name], t), (version, name)
             assert {n: t.stride() for n, t in params.items()} == strides
         assert trainer.relocated == 0
+
+
+class SlowExporter:
+    """Shared memory whose close blocks like a GPU exporter's (synchronize, ipc_collect)."""
+
+    kind = "shm"
+
+    def __init__(self, close_seconds: float = 0.3, seal_seconds: float = 0.0) -> None:
+        self.inner = SharedMemoryExporter()
+        self.close_seconds = close_seconds
+        self.seal_seconds = seal_seconds
+        self.events: list[str] = []
+        self.close_thread: int | None = None
+        self.sealing = threading.Event()
+        self.closed = threading.Event()
+
+    def allocate(self, slots: int, slot_bytes: int) -> None:
+        self.inner.allocate(slots, slot_bytes)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.inner.buffer(slot)
+
+    def seal(self, slot: int) -> None:
+        self.sealing.set()
+        time.sleep(self.seal_seconds)
+        self.events.append("sealed")
+
+    def handle(self, slot: int, bucket: Bucket, device: DeviceId) -> Handle:
+        return self.inner.handle(slot, bucket, device)
+
+    def close(self) -> None:
+        self.events.append("close")
+        self.close_thread = threading.get_ident()
+        time.sleep(self.close_seconds)
+        self.inner.close()
+        self.closed.set()
+
+
+async def prepared(exporter: SlowExporter) -> tuple[LocalTrainer, Plan]:
+    trainer = LocalTrainer({"w": torch.randn(256)}, exporter=exporter)
+    plan = plan_buckets(trainer.specs(), 64 * KIB)
+    await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    return trainer, plan
+
+
+async def test_local_trainer_closes_its_exporter_off_the_event_loop() -> None:
+    exporter = SlowExporter(close_seconds=0.3)
+    trainer, _ = await prepared(exporter)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await trainer.aclose()
+        tg.cancel_scope.cancel()
+    assert exporter.closed.is_set()
+    assert exporter.close_thread != threading.get_ident()
+    assert ticks >= 10, "the event loop was blocked while the exporter closed"
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+async def test_a_cancelled_close_still_frees_the_buffers(when: str) -> None:
+    exporter = SlowExporter(close_seconds=0.3)
+    trainer, _ = await prepared(exporter)
+    with anyio.CancelScope() as scope:
+        if when == "before":
+            scope.cancel()  # already cancelled when aclose starts
+        else:
+            scope.deadline = anyio.current_time() + 0.05  # in the middle of the close
+        await trainer.aclose()
+    assert scope.cancelled_caught
+    # The close goes on in its thread, to the end.
+    assert await anyio.to_thread.run_sync(exporter.closed.wait, 5.0)
+    assert exporter.events == ["close"]
+
+
+async def test_close_waits_for_a_pack_still_running() -> None:
+    exporter = SlowExporter(close_seconds=0.0, seal_seconds=0.3)
+    trainer, plan = await prepared(exporter)
+    outcome: list[object] = []
+
+    async def export() -> None:
+        try:
+            outcome.append(await trainer.export(plan.buckets[0], 0, [cpu_device(0)]))
+        except ClosedError as exc:  # the close came first: no handle of a freed slot
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(export)
+        await anyio.to_thread.run_sync(exporter.sealing.wait, 5.0)
+        await trainer.aclose()
+    assert exporter.events == ["sealed", "close"]
+    assert len(outcome) == 1
+    with pytest.raises(ClosedError):
+        await trainer.export(plan.buckets[0], 0, [cpu_device(0)])
+
+
+async def test_a_failing_close_is_raised_by_aclose() -> None:
+    exporter = SlowExporter(close_seconds=0.0)
+    trainer, _ = await prepared(exporter)
+
+    def broken_close() -> None:
+        exporter.inner.close()
+        raise RuntimeError("the device went away")
+
+    exporter.close = broken_close  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the device went away"):
+        await trainer.aclose()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -67,8 +68,11 @@ class _InProcessSource:
             else frozenset(d.device if isinstance(d, DeviceId) else d for d in devices)
         )
         self._name = name
-        # One thread at a time touches the buffers; aclose waits for it.
+        # One worker thread at a time packs or lays out (the limiter), and whichever
+        # thread touches the buffers holds the lock: a close, in a thread of its own that
+        # a cancellation cannot stop, waits there for a pack still running.
         self._limiter = anyio.CapacityLimiter(1)
+        self._buffer_lock = threading.Lock()
         # The tensors as read by the last describe (the start of a push): walking a
         # module's parameters for every bucket would cost more than packing small ones.
         self._current: Mapping[str, torch.Tensor] | None = None
@@ -97,6 +101,44 @@ class _InProcessSource:
             devices=self._devices,
             specs=self._specs(self._current),
         )
+
+    async def _close_in_thread(self, close: Callable[[], None]) -> None:
+        """Run ``close`` off the event loop, after any pack still running; wait for it.
+
+        Closing blocks (a CUDA synchronize, ``ipc_collect``, a group's teardown), so it
+        runs in a thread of its own, started before the first checkpoint: a cancelled
+        ``aclose`` still closes everything. Waiting for it ends with a cancellation (or
+        the caller's timeout); the close then finishes in its thread and logs a failure
+        that nobody waits for any more.
+        """
+        failed: list[BaseException] = []
+        waiting = True
+        handoff = threading.Lock()  # a failure is raised by the waiter or logged, once
+
+        def run() -> None:
+            try:
+                with self._buffer_lock:
+                    close()
+            except BaseException as exc:
+                with handoff:
+                    failed.append(exc)
+                    orphan = not waiting
+                if orphan:
+                    logger.error("closing trainer source %r failed", self._name, exc_info=exc)
+
+        closer = threading.Thread(target=run, name=f"asyncrefit-close-{self._name}")
+        closer.start()
+        try:
+            await anyio.to_thread.run_sync(closer.join, abandon_on_cancel=True)
+        except BaseException:
+            with handoff:
+                waiting = False
+                lost = list(failed)
+            for exc in lost:
+                logger.error("closing trainer source %r failed", self._name, exc_info=exc)
+            raise
+        if failed:
+            raise failed[0]
 
     def _tensor(
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
@@ -176,13 +218,21 @@ class LocalTrainer(_InProcessSource):
     async def prepare(
         self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
     ) -> None:
-        await anyio.to_thread.run_sync(
-            self._exporter.allocate, slots, slot_bytes, limiter=self._limiter
-        )
+        await anyio.to_thread.run_sync(self._allocate, slots, slot_bytes, limiter=self._limiter)
         self._checksum = checksum
         self._prepared = True
 
+    def _allocate(self, slots: int, slot_bytes: int) -> None:
+        with self._buffer_lock:
+            self._exporter.allocate(slots, slot_bytes)
+
     def _pack(self, bucket: Bucket, slot: int) -> int | None:
+        with self._buffer_lock:
+            if not self._prepared:  # closed while this pack waited for its turn
+                raise ClosedError(f"trainer source {self._name!r} was closed")
+            return self._pack_locked(bucket, slot)
+
+    def _pack_locked(self, bucket: Bucket, slot: int) -> int | None:
         import torch
 
         tensors = self._read()
@@ -205,13 +255,17 @@ class LocalTrainer(_InProcessSource):
         if not self._prepared:
             raise ClosedError(f"trainer source {self._name!r} has no buffers (not prepared)")
         crc = await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
+        if not self._prepared:  # closed meanwhile: the slot may be gone already
+            raise ClosedError(f"trainer source {self._name!r} was closed")
         return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
 
     async def aclose(self) -> None:
+        """Free the buffers: off the event loop, after a pack still running; see above.
+
+        A cancelled ``aclose`` still frees them (the close goes on in its thread).
+        """
         self._prepared = False
-        # Wait for a pack still running in its thread before unmapping its buffer.
-        async with self._limiter:
-            self._exporter.close()
+        await self._close_in_thread(self._exporter.close)
 
 
 class SharedParameterTrainer(_InProcessSource):
@@ -270,6 +324,10 @@ class SharedParameterTrainer(_InProcessSource):
         self._checksum = checksum
 
     def _layout(self, plan: Plan) -> None:
+        with self._buffer_lock:
+            self._layout_locked(plan)
+
+    def _layout_locked(self, plan: Plan) -> None:
         import torch
 
         from .transport.shm import _Segment, segment_name
@@ -327,11 +385,17 @@ class SharedParameterTrainer(_InProcessSource):
                 self._addresses.pop(e.name, None)
 
     def _refresh(self, bucket: Bucket) -> int | None:
+        with self._buffer_lock:
+            return self._refresh_locked(bucket)
+
+    def _refresh_locked(self, bucket: Bucket) -> int | None:
         import torch
 
         tensors = self._read()
-        base = self._segments[bucket.index].tensor
-        assert base is not None
+        segment = self._segments.get(bucket.index)
+        if segment is None or segment.tensor is None:  # closed while this waited
+            raise ClosedError(f"trainer source {self._name!r} was closed")
+        base = segment.tensor
         with torch.no_grad():
             for e in bucket.entries:
                 tensor = self._tensor(tensors, bucket.index, e)
@@ -373,8 +437,8 @@ class SharedParameterTrainer(_InProcessSource):
             _unlink_segment(seg)
 
     async def aclose(self) -> None:
-        async with self._limiter:
-            self._unlink()
+        """Unlink every segment name, after a refresh still running; also when cancelled."""
+        await self._close_in_thread(self._unlink)
 
 
 def _unlink_segment(segment: _Segment) -> None:
