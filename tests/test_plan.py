@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 
 import pytest
@@ -40,6 +41,8 @@ ITEMSIZE = {
     "float8_e5m2": 1,
     "float8_e4m3fnuz": 1,
     "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,  # packed: one byte per element, two 4-bit values in it
 }
 
 shapes = st.lists(st.integers(min_value=0, max_value=7), max_size=3).map(tuple)
@@ -237,6 +240,59 @@ def test_spec_nbytes_and_bad_dtype() -> None:
     assert spec(shape=(3, 5)).numel == 15
     with pytest.raises(PlanError, match="unsupported dtype"):
         _ = spec(dtype="half").nbytes
+
+
+def torch_dtype_names() -> list[str]:
+    """Every canonical dtype name of the installed torch, quantized ones excepted."""
+    import torch
+
+    names = {
+        str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)
+    }
+    return sorted(n for n in names if not n.startswith(("qint", "quint")))
+
+
+def test_itemsize_of_every_torch_dtype_comes_from_torch() -> None:
+    import torch
+
+    names = torch_dtype_names()
+    assert {"float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e4m3fn", "bfloat16"} <= set(names)
+    for name in names:
+        dtype = getattr(torch, name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+            element_size = torch.empty((), dtype=dtype).element_size()
+        assert dtype_itemsize(name) == dtype.itemsize == element_size, name
+    for name, size in ITEMSIZE.items():
+        assert dtype_itemsize(name) == size, name
+
+
+def test_packed_dtype_shapes_count_torch_elements() -> None:
+    # float4_e2m1fn_x2: each element is one byte holding two 4-bit values; a spec's
+    # shape is torch's shape, so (4, 8) is 32 elements, 32 bytes, 64 values.
+    fp4 = spec("fp4", shape=(4, 8), dtype="float4_e2m1fn_x2")
+    scale = spec("scale", shape=(4, 1), dtype="float8_e8m0fnu")
+    assert (fp4.nbytes, scale.nbytes) == (32, 4)
+    plan = plan_buckets([fp4, scale, spec("w", shape=(3,), dtype="float32")], 1 << 20)
+    assert [(e.name, e.offset, e.nbytes) for e in plan.buckets[0].entries] == [
+        ("fp4", 0, 32),
+        ("scale", 256, 4),
+        ("w", 512, 12),
+    ]
+
+
+@pytest.mark.parametrize("name", ["half", "float", "long", "torch.float32", "qint8", "quint4x2"])
+def test_aliases_and_quantized_dtypes_are_refused(name: str) -> None:
+    with pytest.raises(PlanError, match=f"unsupported dtype {name!r}"):
+        dtype_itemsize(name)
+
+
+def test_importing_the_planner_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, asyncrefit._plan\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # --- validate_worker ---------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -301,6 +303,30 @@ def test_push_arrives_bit_exact(
     assert len(importer) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e4m3fn"])
+def test_low_precision_dtypes_arrive_bit_exact(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter, dtype: str
+) -> None:
+    # MX-style weights: packed fp4 values (two per byte) with one e8m0 scale per block.
+    source = {
+        "w": random_tensor((16, 8), torch_dtype(dtype), 1),
+        "scale": random_tensor((16, 1), torch.float8_e8m0fnu, 2),
+        "bias": random_tensor((16,), torch.bfloat16, 3),
+    }
+    params = destination_like(source)
+    plan = plan_buckets(specs_of(source), 1 << 20)
+    assert plan.buckets[0].entries[0].nbytes == 16 * 8  # torch's element size: 1 byte
+    exporter.allocate(1, plan.max_bucket_bytes)
+    receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
+    try:
+        push(receiver, exporter, plan, source, version=1, devices=(DEV,))
+    finally:
+        receiver.close()
+    assert receiver.version == 1
+    for n, t in source.items():
+        assert same_bits(params[n], t), n
+
+
 def test_default_importer_is_shared_memory(exporter: SharedMemoryExporter) -> None:
     source = {"w": random_tensor((8, 8), torch.bfloat16, 3)}
     params = destination_like(source)
@@ -400,6 +426,68 @@ def test_bad_entries_raise_before_any_write(
         with pytest.raises(TransportError, match=match):
             receiver.load(2, 0, handles)
         assert_unchanged(params, before)
+        receiver.abort(2)
+        assert receiver.version == 1  # nothing was written: version 1 still whole
+    finally:
+        receiver.close()
+
+
+def malformed(handle: Handle, defect: str) -> Handle:
+    """``handle`` with its second entry (or the pair of entries) made invalid."""
+    first, second, *rest = handle.entries
+    page = mmap.PAGESIZE
+    bad = {
+        "nbytes-short": (first, replace(second, nbytes=second.nbytes - 4), *rest),
+        "nbytes-long": (first, replace(second, nbytes=second.nbytes + 4), *rest),
+        "past-bucket": (first, replace(second, offset=handle.nbytes), *rest),
+        "past-segment": (first, replace(second, offset=page - 16), *rest),
+        "far-past-segment": (first, replace(second, offset=1 << 40), *rest),
+        "negative-offset": (first, replace(second, offset=-256), *rest),
+        "misaligned": (first, replace(second, offset=second.offset + 2), *rest),
+        "duplicate": (first, second, replace(second, offset=0), *rest),
+        "overlap": (first, replace(second, offset=first.offset + 4), *rest),
+    }[defect]
+    return replace(handle, entries=bad)
+
+
+DEFECTS = [
+    "nbytes-short",
+    "nbytes-long",
+    "past-bucket",
+    "past-segment",
+    "far-past-segment",
+    "negative-offset",
+    "misaligned",
+    "duplicate",
+    "overlap",
+]
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_every_entry_is_validated_before_the_first_write(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter, defect: str
+) -> None:
+    params = {"first": torch.zeros(16), "w": torch.zeros(3, 4), "last": torch.zeros(5)}
+    receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
+    try:
+        good = {
+            "first": torch.full((16,), 1.5),
+            "w": torch.full((3, 4), 2.5),
+            "last": torch.ones(5),
+        }
+        receiver.begin(1)
+        receiver.load(1, 0, one_bucket(exporter, good))
+        receiver.commit(1, 1)
+        before = snapshot(params)
+        # Version 2: the first entry is valid, a later one is not.
+        new = {n: t - 9 for n, t in good.items()}
+        handles = tuple(malformed(h, defect) for h in one_bucket(exporter, new))
+        receiver.begin(2)
+        with pytest.raises(TransportError, match="bucket 0") as info:
+            receiver.load(2, 0, handles)
+        assert "'w'" in str(info.value) or defect == "overlap", info.value
+        assert_unchanged(params, before)
+        assert receiver.state.dirty is False
         receiver.abort(2)
         assert receiver.version == 1  # nothing was written: version 1 still whole
     finally:

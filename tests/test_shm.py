@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ def dead_pid() -> int:
 
 @pytest.fixture
 def importer() -> Iterator[SharedMemoryImporter]:
-    imp = SharedMemoryImporter(max_cached=2)
+    imp = SharedMemoryImporter()
     try:
         yield imp
     finally:
@@ -147,22 +148,61 @@ def test_importer_caches_and_sees_exporter_writes(
     del t1, t2
 
 
-def test_importer_evicts_least_recently_used(
+def test_importer_keeps_every_segment_of_a_generation_mapped(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter
+) -> None:
+    exporter.allocate(40, 100)  # more segments than any small cache would hold
+    handles = [exporter.handle(i, a_bucket(), DEV) for i in range(40)]
+    first = [importer.open(h).data_ptr() for h in handles]
+    assert len(importer) == 40
+    # With the names unlinked, only cached mappings can still be opened: all of them are.
+    names = exporter.segment_names
+    for name in names:
+        os.unlink(os.path.join(SHM_DIR, name))
+    try:
+        for _ in range(2):
+            assert [importer.open(h).data_ptr() for h in handles] == first
+        assert len(importer) == 40
+    finally:
+        for name in names:  # let the exporter's close unlink them again
+            open(os.path.join(SHM_DIR, name), "wb").close()
+
+
+def test_importer_drops_mappings_of_an_older_generation(
     exporter: SharedMemoryExporter, importer: SharedMemoryImporter
 ) -> None:
     exporter.allocate(3, 100)
-    h0, h1, h2 = (exporter.handle(i, a_bucket(), DEV) for i in range(3))
-    for h in (h0, h1, h0, h2):  # h1 is the least recently used when h2 arrives
-        importer.open(h)
-        assert len(importer) <= 2
+    for i in range(3):
+        importer.open(exporter.handle(i, a_bucket(), DEV))
+    assert len(importer) == 3
+    exporter.allocate(2, 2 * PAGE)  # re-allocated: a new generation of names
+    new = exporter.handle(0, a_bucket(), DEV)
+    assert importer.open(new).numel() == 2 * PAGE
+    assert len(importer) == 1  # the three old mappings went with the first new handle
+    importer.open(exporter.handle(1, a_bucket(), DEV))
     assert len(importer) == 2
-    # With the segments unlinked, only cached mappings can still be opened.
-    exporter.close()
-    assert importer.open(h0).numel() == PAGE
-    assert importer.open(h2).numel() == PAGE
-    with pytest.raises(TransportError, match="cannot open"):
-        importer.open(h1)
-    assert len(importer) == 2
+
+
+def test_importer_drops_unlinked_mappings_when_a_new_exporter_appears(
+    importer: SharedMemoryImporter,
+) -> None:
+    old, live, new = SharedMemoryExporter(), SharedMemoryExporter(), SharedMemoryExporter()
+    try:
+        for ex in (old, live, new):
+            ex.allocate(2, 100)
+        for ex in (old, live):
+            for i in range(2):
+                importer.open(ex.handle(i, a_bucket(), DEV))
+        assert len(importer) == 4
+        old.close()  # its names are unlinked; the worker's mappings pin the memory
+        assert len(importer) == 4
+        importer.open(new.handle(0, a_bucket(), DEV))
+        assert len(importer) == 3  # live's two and new's one
+        importer.open(live.handle(1, a_bucket(), DEV))
+        assert len(importer) == 3
+    finally:
+        for ex in (old, live, new):
+            ex.close()
 
 
 def test_importer_close_drops_mappings(exporter: SharedMemoryExporter) -> None:
@@ -217,6 +257,63 @@ def test_importer_empty_segment_raises_transport_error(importer: SharedMemoryImp
             importer.open(handle)
     finally:
         os.unlink(path)
+
+
+@pytest.fixture
+def victim(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A file outside /dev/shm that no handle may reach."""
+    path = tmp_path / "victim"
+    path.write_bytes(b"precious" * PAGE)
+    return path
+
+
+def mapped(path: pathlib.Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+@pytest.mark.parametrize(
+    "kind", ["absolute", "dotdot", "inside-dotdot", "subdir", "newline", "foreign", "empty"]
+)
+def test_importer_refuses_names_the_exporter_does_not_make(
+    importer: SharedMemoryImporter, victim: pathlib.Path, kind: str
+) -> None:
+    ours = f"asyncrefit-{os.getpid()}-00ff00ff-1-0"
+    name = {
+        "absolute": str(victim),
+        "dotdot": os.path.relpath(victim, SHM_DIR),
+        "inside-dotdot": f"{ours}/../{os.path.relpath(victim, SHM_DIR)}",
+        "subdir": f"{ours}/x",
+        "newline": ours + "\n",
+        "foreign": "somebody-elses-segment",
+        "empty": "",
+    }[kind]
+    before = victim.read_bytes(), victim.stat().st_mtime_ns
+    handle = ShmHandle(device=DEV, bucket=3, nbytes=16, entries=a_bucket(16).entries, segment=name)
+    with pytest.raises(TransportError, match=r"bucket 3 names segment .*not a segment name"):
+        importer.open(handle)
+    assert len(importer) == 0
+    assert not mapped(victim)
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before
+
+
+def test_importer_does_not_follow_a_link_with_a_segment_name(
+    importer: SharedMemoryImporter, victim: pathlib.Path
+) -> None:
+    # /dev/shm is writable by everyone: a link there with a well-formed name must not
+    # lead a worker to map another file.
+    name = f"asyncrefit-{os.getpid()}-00ff00ff-1-0"
+    link = os.path.join(SHM_DIR, name)
+    os.symlink(victim, link)
+    try:
+        handle = ShmHandle(
+            device=DEV, bucket=0, nbytes=16, entries=a_bucket(16).entries, segment=name
+        )
+        with pytest.raises(TransportError, match="cannot open"):
+            importer.open(handle)
+        assert not mapped(victim)
+    finally:
+        os.unlink(link)
 
 
 def test_importer_rejects_foreign_handle(importer: SharedMemoryImporter) -> None:

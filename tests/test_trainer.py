@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import anyio
 import pytest
 import torch
 
 from asyncrefit import (
     ClosedError,
+    DeviceId,
     LocalTrainer,
-    PlanError,
+    PackError,
+    Plan,
+    PushError,
     RefitCoordinator,
     SharedParameterTrainer,
     cpu_device,
     plan_buckets,
 )
+from asyncrefit._plan import Bucket
 from asyncrefit._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.transport import Handle, SharedMemoryExporter
 
 from .fakes import FakeWorker
 from .helpers import own_segments
@@ -120,7 +129,236 @@ async def test_shared_trainer_rejects_a_changed_parameter() -> None:
     try:
         model[2].bias = torch.nn.Parameter(torch.zeros(65))
         bucket = next(b for b in plan.buckets if any(e.name == "2.bias" for e in b.entries))
-        with pytest.raises(PlanError, match=r"2\.bias"):
+        with pytest.raises(PackError, match=r"2\.bias") as info:
             await trainer.export(bucket, 0, [cpu_device(0)])
+        assert (info.value.source, info.value.bucket) == ("trainer", bucket.index)
+        assert "changed shape or dtype" in str(info.value)
     finally:
+        await trainer.aclose()
+
+
+def with_meta(name: str) -> dict[str, torch.Tensor]:
+    """Parameters of which ``name`` has a shape and a dtype but no data (a meta tensor)."""
+    params = {f"p{i}": torch.randn(1024) for i in range(4)}  # 4 KiB each
+    params[name] = torch.empty(1024, device="meta")
+    return params
+
+
+async def test_a_pack_failure_names_the_source_bucket_and_parameter() -> None:
+    params = with_meta("p2")
+    trainer = LocalTrainer(params, name="policy")
+    plan = plan_buckets(trainer.specs(), 4 * KIB)
+    await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    try:
+        await trainer.export(plan.buckets[1], 0, [cpu_device(0)])  # fine
+        with pytest.raises(PackError) as info:
+            await trainer.export(plan.buckets[2], 0, [cpu_device(0)])
+    finally:
+        await trainer.aclose()
+    err = info.value
+    assert (err.source, err.bucket, err.parameter) == ("policy", 2, "p2")
+    assert "trainer source 'policy', bucket 2, parameter 'p2'" in str(err)
+    assert "meta" in str(err)  # what went wrong, from the cause
+    assert err.__cause__ is not None
+
+
+async def test_a_pack_failure_fails_the_push_naming_the_parameter() -> None:
+    params = with_meta("p3")
+    workers = [FakeWorker(name="w0", device=cpu_device(0), parameters=_zeros_like(params))]
+    async with RefitCoordinator(
+        trainer=LocalTrainer(params), workers=workers, budget_bytes=64 * KIB, bucket_bytes=4 * KIB
+    ) as refit:
+        with pytest.raises(PushError) as info:
+            await refit.push(1)
+    assert isinstance(info.value.cause, PackError)
+    assert "bucket 3, parameter 'p3'" in str(info.value)
+
+
+async def test_shared_trainer_names_a_parameter_it_cannot_place_and_leaks_nothing() -> None:
+    params = with_meta("p1")
+    trainer = SharedParameterTrainer(params, name="shared")
+    plan = plan_buckets(trainer.specs(), 4 * KIB)
+    with pytest.raises(PackError) as info:
+        await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    assert (info.value.source, info.value.bucket, info.value.parameter) == ("shared", 1, "p1")
+    assert "not the CPU" in str(info.value)
+    assert own_segments() == []  # the segments made for the layout were unlinked
+    await trainer.aclose()
+
+
+async def test_every_shared_segment_is_mapped_once_across_pushes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One segment per bucket, and more buckets than any small cache of mappings: the
+    # worker maps each segment at the first push and never again.
+    from asyncrefit.transport import shm
+
+    opened: list[str] = []
+    real_open = shm._Segment.open
+
+    def counting_open(name: str) -> shm._Segment:
+        opened.append(name)
+        return real_open(name)
+
+    monkeypatch.setattr(shm._Segment, "open", staticmethod(counting_open))
+    params = {f"p{i}": torch.randn(1024) for i in range(24)}  # 4 KiB each
+    trainer = SharedParameterTrainer(params)
+    workers = [FakeWorker(name="w0", device=cpu_device(0), parameters=_zeros_like(params))]
+    async with RefitCoordinator(
+        trainer=trainer, workers=workers, budget_bytes=64 * KIB, bucket_bytes=4 * KIB
+    ) as refit:
+        assert refit.plan is not None and len(refit.plan.buckets) == 24
+        await refit.push(1)
+        assert len(opened) == 24 and len(set(opened)) == 24
+        with torch.no_grad():
+            for t in params.values():
+                t.add_(1)
+        await refit.push(2)
+        assert len(opened) == 24, "a segment was mapped again at the second push"
+        for name, t in params.items():
+            assert torch.equal(workers[0].parameters[name], t), name
+
+
+def _zeros_like(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in params.items()}
+
+
+async def test_shared_trainer_keeps_every_parameters_strides() -> None:
+    params = {
+        "normal": torch.randn(8, 16),
+        "transposed": torch.randn(16, 8).t(),  # shape (8, 16), strides (1, 8)
+        "channels_last": torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last),
+        "bias": torch.randn(16),
+    }
+    strides = {n: t.stride() for n, t in params.items()}
+    assert not params["transposed"].is_contiguous()
+    trainer = SharedParameterTrainer(params)
+    workers = [FakeWorker(name="w0", device=cpu_device(0), parameters=_zeros_like(params))]
+    async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=64 * KIB) as refit:
+        assert {n: t.stride() for n, t in params.items()} == strides
+        # contiguous parameters live in the shared segments; the others keep their memory
+        assert shm_backed(params["normal"]) and shm_backed(params["bias"])
+        assert not shm_backed(params["transposed"])
+        assert not shm_backed(params["channels_last"])
+        for version in (1, 2):
+            with torch.no_grad():
+                for t in params.values():
+                    t.mul_(2).add_(version)  # an optimizer step, in place
+            await refit.push(version)
+            for name, t in params.items():
+                assert torch.equal(workers[0].parameters[name], t), (version, name)
+            assert {n: t.stride() for n, t in params.items()} == strides
+        assert trainer.relocated == 0
+
+
+class SlowExporter:
+    """Shared memory whose close blocks like a GPU exporter's (synchronize, ipc_collect)."""
+
+    kind = "shm"
+
+    def __init__(self, close_seconds: float = 0.3, seal_seconds: float = 0.0) -> None:
+        self.inner = SharedMemoryExporter()
+        self.close_seconds = close_seconds
+        self.seal_seconds = seal_seconds
+        self.events: list[str] = []
+        self.close_thread: int | None = None
+        self.sealing = threading.Event()
+        self.closed = threading.Event()
+
+    def allocate(self, slots: int, slot_bytes: int) -> None:
+        self.inner.allocate(slots, slot_bytes)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.inner.buffer(slot)
+
+    def seal(self, slot: int) -> None:
+        self.sealing.set()
+        time.sleep(self.seal_seconds)
+        self.events.append("sealed")
+
+    def handle(self, slot: int, bucket: Bucket, device: DeviceId) -> Handle:
+        return self.inner.handle(slot, bucket, device)
+
+    def close(self) -> None:
+        self.events.append("close")
+        self.close_thread = threading.get_ident()
+        time.sleep(self.close_seconds)
+        self.inner.close()
+        self.closed.set()
+
+
+async def prepared(exporter: SlowExporter) -> tuple[LocalTrainer, Plan]:
+    trainer = LocalTrainer({"w": torch.randn(256)}, exporter=exporter)
+    plan = plan_buckets(trainer.specs(), 64 * KIB)
+    await trainer.prepare(plan, 1, plan.max_bucket_bytes)
+    return trainer, plan
+
+
+async def test_local_trainer_closes_its_exporter_off_the_event_loop() -> None:
+    exporter = SlowExporter(close_seconds=0.3)
+    trainer, _ = await prepared(exporter)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await trainer.aclose()
+        tg.cancel_scope.cancel()
+    assert exporter.closed.is_set()
+    assert exporter.close_thread != threading.get_ident()
+    assert ticks >= 10, "the event loop was blocked while the exporter closed"
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+async def test_a_cancelled_close_still_frees_the_buffers(when: str) -> None:
+    exporter = SlowExporter(close_seconds=0.3)
+    trainer, _ = await prepared(exporter)
+    with anyio.CancelScope() as scope:
+        if when == "before":
+            scope.cancel()  # already cancelled when aclose starts
+        else:
+            scope.deadline = anyio.current_time() + 0.05  # in the middle of the close
+        await trainer.aclose()
+    assert scope.cancelled_caught
+    # The close goes on in its thread, to the end.
+    assert await anyio.to_thread.run_sync(exporter.closed.wait, 5.0)
+    assert exporter.events == ["close"]
+
+
+async def test_close_waits_for_a_pack_still_running() -> None:
+    exporter = SlowExporter(close_seconds=0.0, seal_seconds=0.3)
+    trainer, plan = await prepared(exporter)
+    outcome: list[object] = []
+
+    async def export() -> None:
+        try:
+            outcome.append(await trainer.export(plan.buckets[0], 0, [cpu_device(0)]))
+        except ClosedError as exc:  # the close came first: no handle of a freed slot
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(export)
+        await anyio.to_thread.run_sync(exporter.sealing.wait, 5.0)
+        await trainer.aclose()
+    assert exporter.events == ["sealed", "close"]
+    assert len(outcome) == 1
+    with pytest.raises(ClosedError):
+        await trainer.export(plan.buckets[0], 0, [cpu_device(0)])
+
+
+async def test_a_failing_close_is_raised_by_aclose() -> None:
+    exporter = SlowExporter(close_seconds=0.0)
+    trainer, _ = await prepared(exporter)
+
+    def broken_close() -> None:
+        exporter.inner.close()
+        raise RuntimeError("the device went away")
+
+    exporter.close = broken_close  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the device went away"):
         await trainer.aclose()

@@ -17,6 +17,7 @@ from ._exceptions import ClosedError as ClosedError
 from ._exceptions import DiscoveryError as DiscoveryError
 from ._exceptions import DuplicateWorkerError as DuplicateWorkerError
 from ._exceptions import IntegrityError as IntegrityError
+from ._exceptions import PackError as PackError
 from ._exceptions import ParameterMismatchError as ParameterMismatchError
 from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
@@ -64,6 +65,7 @@ __all__ = (
     "DuplicateWorkerError",
     "IntegrityError",
     "LocalTrainer",
+    "PackError",
     "ParamSpec",
     "ParameterMismatchError",
     "ParameterReceiver",

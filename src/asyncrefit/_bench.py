@@ -37,13 +37,14 @@ import anyio
 
 from ._coordinator import RefitCoordinator
 from ._device import DeviceId, cpu_device
+from ._dtypes import torch_dtype
 from ._exceptions import PlanError
 from ._loop import backend_options
 from ._messages import LoadBucket, encode, encoded_size
 from ._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
 from ._receiver import tensor_digest
 from ._trainer import LocalTrainer, SharedParameterTrainer
-from .transport._base import Handle, torch_dtype
+from .transport._base import Handle
 
 if TYPE_CHECKING:
     import torch

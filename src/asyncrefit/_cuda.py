@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import TYPE_CHECKING
 
 from ._device import DeviceId, local_node_id
 from ._exceptions import TransportError
+
+if TYPE_CHECKING:
+    import torch
 
 _PREFIXES = ("GPU-", "MIG-")
 
@@ -96,3 +100,23 @@ def cuda_device(index: int | None = None, *, node: str | None = None) -> DeviceI
     same GPU with :func:`cuda_index`. ``node`` defaults to this machine.
     """
     return DeviceId(node=node if node is not None else local_node_id(), device=gpu_uuid(index))
+
+
+def device_index(device: int | str | torch.device | None, *, transport: str) -> int:
+    """This process's index of a CUDA ``device`` (an index, ``"cuda:1"``, a ``torch.device``).
+
+    ``None``, or ``"cuda"`` without an index, is the calling thread's current device:
+    resolve it on the thread that selected the device (the training loop's), not on a
+    transport thread, whose current device is ``cuda:0``. Raises
+    :class:`TransportError` naming ``transport`` for a device that is not a GPU.
+    """
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise TransportError(f"the {transport} transport needs a CUDA device, not {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()

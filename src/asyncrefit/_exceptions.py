@@ -184,6 +184,24 @@ class IntegrityError(AsyncRefitError):
         )
 
 
+class PackError(AsyncRefitError):
+    """A trainer source could not pack a parameter into a bucket (or lay it out).
+
+    ``source`` names the trainer source, ``bucket`` the bucket's index and
+    ``parameter`` the parameter; ``detail`` says what went wrong (the underlying error
+    is chained as ``__cause__``).
+    """
+
+    def __init__(self, source: str, bucket: int, parameter: str, detail: str) -> None:
+        self.source = source
+        self.bucket = bucket
+        self.parameter = parameter
+        self.detail = detail
+        super().__init__(
+            f"trainer source {source!r}, bucket {bucket}, parameter {parameter!r}: {detail}"
+        )
+
+
 class TransportError(AsyncRefitError):
     """A transport could not create, export or open a buffer."""
 

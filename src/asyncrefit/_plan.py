@@ -1,8 +1,9 @@
 """Planning: parameter specs to packed, aligned buckets; validation against workers.
 
-Everything here is pure and synchronous: no I/O, no tensors, no clocks. The plan is a
-value that the coordinator computes once and reuses while the parameter set is
-unchanged (compared by :attr:`Plan.fingerprint`).
+Everything here is pure and synchronous: no I/O, no tensors, no clocks (item sizes
+come from torch's dtypes, looked up on first use; see :mod:`asyncrefit._dtypes`). The
+plan is a value that the coordinator computes once and reuses while the parameter set
+is unchanged (compared by :attr:`Plan.fingerprint`).
 """
 
 from __future__ import annotations
@@ -12,40 +13,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ._dtypes import dtype_itemsize as dtype_itemsize
 from ._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
 
 #: Default alignment of every tensor inside a bucket, in bytes.
 DEFAULT_ALIGNMENT = 256
-
-_ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "uint16": 2,
-    "uint32": 4,
-    "uint64": 8,
-    "bool": 1,
-    "complex64": 8,
-    "complex128": 16,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2fnuz": 1,
-}
-
-
-def dtype_itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype given by name (``"bfloat16"``)."""
-    try:
-        return _ITEMSIZE[dtype]
-    except KeyError:
-        raise PlanError(f"unsupported dtype {dtype!r}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,16 +9,19 @@ local backend, a Ray actor or a vLLM worker extension alike.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ._checksum import checksum, tensor_bytes
 from ._device import DeviceId
-from ._exceptions import AsyncRefitError, IntegrityError, TransportError
+from ._dtypes import dtype_itemsize, dtype_name, torch_dtype
+from ._exceptions import AsyncRefitError, IntegrityError, PlanError, TransportError
 from ._messages import BucketAck
 from ._plan import ParamSpec
-from .transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
+from .transport._base import Handle, Importer, make_importer
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +100,55 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def check_layout(handle: Handle, buffer_bytes: int | None = None) -> None:
+    """Check that every entry of ``handle`` can be read as it says, before any is read.
+
+    Each entry must span exactly its shape's bytes (``numel * itemsize``), start at a
+    non-negative offset aligned to its item size, and end inside the bucket
+    (``handle.nbytes``) and inside the opened buffer (``buffer_bytes``, when given); no
+    parameter may be named twice and no two entries may overlap. Raises
+    :class:`TransportError` naming the bucket and the entry.
+    """
+    names: set[str] = set()
+    spans: list[tuple[int, int, str]] = []
+    for e in handle.entries:
+        where = f"bucket {handle.bucket}, parameter {e.name!r}"
+        if e.name in names:
+            raise TransportError(f"{where}: named twice in the handle")
+        names.add(e.name)
+        try:
+            itemsize = dtype_itemsize(e.dtype)
+        except PlanError as exc:
+            raise TransportError(f"{where}: {exc}") from None
+        want = math.prod(e.shape) * itemsize
+        if e.nbytes != want:
+            raise TransportError(
+                f"{where}: {e.nbytes} bytes for {e.dtype}{list(e.shape)}, which is {want}"
+            )
+        if e.offset < 0 or e.offset % itemsize:
+            raise TransportError(
+                f"{where}: offset {e.offset} is not a non-negative multiple of the "
+                f"{e.dtype} item size {itemsize}"
+            )
+        end = e.offset + e.nbytes
+        if end > handle.nbytes:
+            raise TransportError(
+                f"{where}: bytes {e.offset}..{end} lie outside the {handle.nbytes}-byte bucket"
+            )
+        if buffer_bytes is not None and end > buffer_bytes:
+            raise TransportError(
+                f"{where}: bytes {e.offset}..{end} lie outside the {buffer_bytes}-byte buffer"
+            )
+        if e.nbytes:
+            spans.append((e.offset, end, e.name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise TransportError(
+                f"bucket {handle.bucket}: the bytes of parameters {a!r} and {b!r} overlap"
+            )
+
+
 class ParameterReceiver:
     """Copies buckets from transport handles into a worker's own parameter tensors.
 
@@ -108,10 +160,12 @@ class ParameterReceiver:
     :meth:`load` returns, so returning (the ack) means the worker no longer reads the
     trainer's buffer. :meth:`close` releases every cached mapping.
 
-    Error handling: a bucket whose entries do not match this worker's parameters (name,
-    shape, dtype), or without a handle for this worker's device, raises before any of
-    its bytes are written. A handle with a ``checksum`` is verified after the copy: a
-    mismatch raises :class:`IntegrityError` (the version stays incomplete).
+    Error handling: a bucket without a handle for this worker's device, or with any
+    entry that does not match this worker's parameters (name, shape, dtype) or cannot
+    be read as it says (see :func:`check_layout`), raises :class:`TransportError`
+    before any of its bytes are written: the worker keeps its complete version. A
+    handle with a ``checksum`` is verified after the copy: a mismatch raises
+    :class:`IntegrityError` (the version stays incomplete).
     """
 
     def __init__(
@@ -167,6 +221,7 @@ class ParameterReceiver:
                     f"bucket {handle.bucket}, parameter {e.name!r}: {e.dtype}{list(e.shape)} "
                     f"sent, {dtype_name(param.dtype)}{list(param.shape)} held"
                 )
+        check_layout(handle)
 
     def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         """Copy one bucket into the parameters; blocks until the copies are complete."""
@@ -179,6 +234,7 @@ class ParameterReceiver:
         importer = self._importer(handle.kind)
         buffer = importer.open(handle)
         try:
+            check_layout(handle, buffer.numel())
             self.state.loading(version, bucket)  # from here on, bytes get written
             with torch.no_grad():
                 for e in handle.entries:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -17,15 +19,16 @@ import anyio
 
 from ._checksum import checksum
 from ._device import DeviceId, local_node_id
-from ._exceptions import ClosedError, PlanError, TransportError
+from ._dtypes import dtype_name, torch_dtype
+from ._exceptions import ClosedError, PackError
 from ._plan import ParamSpec
 from ._worker import SourceInfo
-from .transport._base import Exporter, Handle, dtype_name, torch_dtype
+from .transport._base import Exporter, Handle
 
 if TYPE_CHECKING:
     import torch
 
-    from ._plan import Bucket, Plan
+    from ._plan import Bucket, Plan, TensorEntry
     from .transport.shm import ShmHandle, _Segment
 
 logger = logging.getLogger(__name__)
@@ -65,8 +68,11 @@ class _InProcessSource:
             else frozenset(d.device if isinstance(d, DeviceId) else d for d in devices)
         )
         self._name = name
-        # One thread at a time touches the buffers; aclose waits for it.
+        # One worker thread at a time packs or lays out (the limiter), and whichever
+        # thread touches the buffers holds the lock: a close, in a thread of its own that
+        # a cancellation cannot stop, waits there for a pack still running.
         self._limiter = anyio.CapacityLimiter(1)
+        self._buffer_lock = threading.Lock()
         # The tensors as read by the last describe (the start of a push): walking a
         # module's parameters for every bucket would cost more than packing small ones.
         self._current: Mapping[str, torch.Tensor] | None = None
@@ -96,15 +102,71 @@ class _InProcessSource:
             specs=self._specs(self._current),
         )
 
+    async def _close_in_thread(self, close: Callable[[], None]) -> None:
+        """Run ``close`` off the event loop, after any pack still running; wait for it.
+
+        Closing blocks (a CUDA synchronize, ``ipc_collect``, a group's teardown), so it
+        runs in a thread of its own, started before the first checkpoint: a cancelled
+        ``aclose`` still closes everything. Waiting for it ends with a cancellation (or
+        the caller's timeout); the close then finishes in its thread and logs a failure
+        that nobody waits for any more.
+        """
+        failed: list[BaseException] = []
+        waiting = True
+        handoff = threading.Lock()  # a failure is raised by the waiter or logged, once
+
+        def run() -> None:
+            try:
+                with self._buffer_lock:
+                    close()
+            except BaseException as exc:
+                with handoff:
+                    failed.append(exc)
+                    orphan = not waiting
+                if orphan:
+                    logger.error("closing trainer source %r failed", self._name, exc_info=exc)
+
+        closer = threading.Thread(target=run, name=f"asyncrefit-close-{self._name}")
+        closer.start()
+        try:
+            await anyio.to_thread.run_sync(closer.join, abandon_on_cancel=True)
+        except BaseException:
+            with handoff:
+                waiting = False
+                lost = list(failed)
+            for exc in lost:
+                logger.error("closing trainer source %r failed", self._name, exc_info=exc)
+            raise
+        if failed:
+            raise failed[0]
+
     def _tensor(
-        self, tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: str
+        self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
-        tensor = tensors.get(name)
+        """The tensor of ``entry``, still of the planned shape and dtype."""
+        tensor = tensors.get(entry.name)
         if tensor is None:
-            raise PlanError(f"parameter {name!r} disappeared from the trainer")
-        if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
-            raise PlanError(f"parameter {name!r} changed shape or dtype mid-push")
+            raise PackError(self._name, bucket, entry.name, "disappeared from the trainer")
+        got = (tuple(tensor.shape), dtype_name(tensor.dtype))
+        if got != (entry.shape, entry.dtype):
+            raise PackError(
+                self._name,
+                bucket,
+                entry.name,
+                f"changed shape or dtype mid-push: {got[1]}{list(got[0])} now, "
+                f"{entry.dtype}{list(entry.shape)} planned",
+            )
         return tensor
+
+    @contextmanager
+    def _packing(self, bucket: int, entry: TensorEntry) -> Iterator[None]:
+        """Turn an error while packing ``entry`` into a :class:`PackError` that names it."""
+        try:
+            yield
+        except PackError:
+            raise
+        except Exception as exc:
+            raise PackError(self._name, bucket, entry.name, f"{type(exc).__name__}: {exc}") from exc
 
 
 class LocalTrainer(_InProcessSource):
@@ -122,6 +184,10 @@ class LocalTrainer(_InProcessSource):
     Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
     (also on every error path of the coordinator that owns this source); a source can
     be prepared again after ``aclose``.
+
+    Error handling: a parameter that cannot be packed (it disappeared, changed shape or
+    dtype, or its copy failed) raises :class:`~asyncrefit.PackError` naming this
+    source, the bucket and the parameter, with the underlying error chained.
     """
 
     def __init__(
@@ -152,13 +218,21 @@ class LocalTrainer(_InProcessSource):
     async def prepare(
         self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
     ) -> None:
-        await anyio.to_thread.run_sync(
-            self._exporter.allocate, slots, slot_bytes, limiter=self._limiter
-        )
+        await anyio.to_thread.run_sync(self._allocate, slots, slot_bytes, limiter=self._limiter)
         self._checksum = checksum
         self._prepared = True
 
+    def _allocate(self, slots: int, slot_bytes: int) -> None:
+        with self._buffer_lock:
+            self._exporter.allocate(slots, slot_bytes)
+
     def _pack(self, bucket: Bucket, slot: int) -> int | None:
+        with self._buffer_lock:
+            if not self._prepared:  # closed while this pack waited for its turn
+                raise ClosedError(f"trainer source {self._name!r} was closed")
+            return self._pack_locked(bucket, slot)
+
+    def _pack_locked(self, bucket: Bucket, slot: int) -> int | None:
         import torch
 
         tensors = self._read()
@@ -166,9 +240,10 @@ class LocalTrainer(_InProcessSource):
         packed = []
         with torch.no_grad():
             for e in bucket.entries:
-                tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
-                dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                dst.view(e.shape).copy_(tensor)
+                with self._packing(bucket.index, e):
+                    tensor = self._tensor(tensors, bucket.index, e)
+                    dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
+                    dst.view(e.shape).copy_(tensor)
                 packed.append(dst)
         self._exporter.seal(slot)
         # Over the packed bytes, not the source: what the workers will read.
@@ -180,13 +255,17 @@ class LocalTrainer(_InProcessSource):
         if not self._prepared:
             raise ClosedError(f"trainer source {self._name!r} has no buffers (not prepared)")
         crc = await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
+        if not self._prepared:  # closed meanwhile: the slot may be gone already
+            raise ClosedError(f"trainer source {self._name!r} was closed")
         return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
 
     async def aclose(self) -> None:
+        """Free the buffers: off the event loop, after a pack still running; see above.
+
+        A cancelled ``aclose`` still frees them (the close goes on in its thread).
+        """
         self._prepared = False
-        # Wait for a pack still running in its thread before unmapping its buffer.
-        async with self._limiter:
-            self._exporter.close()
+        await self._close_in_thread(self._exporter.close)
 
 
 class SharedParameterTrainer(_InProcessSource):
@@ -196,7 +275,9 @@ class SharedParameterTrainer(_InProcessSource):
     (one copy, once per plan) and rebinds each parameter's ``.data`` to its place
     there; optimizer steps then update the shared memory in place, and a push exports
     handles to it without packing. A parameter the training loop replaced (its storage
-    moved) is copied back into place at the next push.
+    moved) is copied back into place at the next push. Strides never change: a
+    parameter that is not laid out row-major (a transposed or ``channels_last`` weight)
+    keeps its own memory and is copied into its segment at every push.
 
     Workers read the parameters while a push runs: do not step the optimizer then (the
     push returns only after every worker acknowledged). A worker that hangs past the
@@ -205,7 +286,12 @@ class SharedParameterTrainer(_InProcessSource):
 
     Resource handling: ``aclose`` unlinks every segment name (nothing is left under
     ``/dev/shm``); the parameters keep their memory, which stays valid for as long as
-    the tensors live. Shared memory counts against the ``/dev/shm`` size limit.
+    the tensors live. Shared memory counts against the ``/dev/shm`` size limit. A
+    layout that fails part-way unlinks the segments it made.
+
+    Error handling: a parameter that cannot be laid out or exported (not on the CPU,
+    changed shape or dtype, its copy failed) raises :class:`~asyncrefit.PackError`
+    naming this source, the bucket and the parameter.
     """
 
     def __init__(
@@ -238,6 +324,10 @@ class SharedParameterTrainer(_InProcessSource):
         self._checksum = checksum
 
     def _layout(self, plan: Plan) -> None:
+        with self._buffer_lock:
+            self._layout_locked(plan)
+
+    def _layout_locked(self, plan: Plan) -> None:
         import torch
 
         from .transport.shm import _Segment, segment_name
@@ -256,45 +346,64 @@ class SharedParameterTrainer(_InProcessSource):
             for seg in segments.values():
                 _unlink_segment(seg)
             raise
-        with torch.no_grad():
-            for bucket in plan.buckets:
-                base = segments[bucket.index].tensor
-                assert base is not None
-                for e in bucket.entries:
-                    self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
+        try:
+            with torch.no_grad():
+                for bucket in plan.buckets:
+                    base = segments[bucket.index].tensor
+                    assert base is not None
+                    for e in bucket.entries:
+                        self._place(base, bucket.index, e, tensors)
+        except BaseException:
+            # Parameters placed so far keep their memory (their views hold it).
+            for seg in segments.values():
+                _unlink_segment(seg)
+            raise
         self._segments = segments
         self._fingerprint = plan.fingerprint
 
     def _place(
         self,
         base: torch.Tensor,
-        offset: int,
-        nbytes: int,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: str,
+        bucket: int,
+        e: TensorEntry,
         tensors: Mapping[str, torch.Tensor],
     ) -> None:
-        tensor = self._tensor(tensors, name, shape, dtype)
-        if tensor.device.type != "cpu":
-            raise TransportError(f"parameter {name!r} is on {tensor.device}, not the CPU")
-        view = base[offset : offset + nbytes].view(torch_dtype(dtype)).view(shape)
-        view.copy_(tensor)
-        tensor.data = view
-        self._addresses[name] = view.data_ptr()
+        with self._packing(bucket, e):
+            tensor = self._tensor(tensors, bucket, e)
+            if tensor.device.type != "cpu":
+                raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
+            view = base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            view.copy_(tensor)
+            if tensor.stride() == view.stride():
+                tensor.data = view  # from now on it lives in the segment
+                self._addresses[e.name] = view.data_ptr()
+            else:
+                # Workers read a bucket's bytes in row-major order, so a transposed or
+                # channels_last tensor cannot live in the segment without changing its
+                # strides under the training loop: it keeps its own memory, and its
+                # values are copied into the segment at every push instead.
+                self._addresses.pop(e.name, None)
 
     def _refresh(self, bucket: Bucket) -> int | None:
+        with self._buffer_lock:
+            return self._refresh_locked(bucket)
+
+    def _refresh_locked(self, bucket: Bucket) -> int | None:
         import torch
 
         tensors = self._read()
-        base = self._segments[bucket.index].tensor
-        assert base is not None
+        segment = self._segments.get(bucket.index)
+        if segment is None or segment.tensor is None:  # closed while this waited
+            raise ClosedError(f"trainer source {self._name!r} was closed")
+        base = segment.tensor
         with torch.no_grad():
             for e in bucket.entries:
-                tensor = self._tensor(tensors, e.name, e.shape, e.dtype)
-                if e.nbytes and tensor.data_ptr() != self._addresses.get(e.name):
-                    self._place(base, e.offset, e.nbytes, e.name, e.shape, e.dtype, tensors)
-                    self.relocated += 1
+                tensor = self._tensor(tensors, bucket.index, e)
+                address = self._addresses.get(e.name)
+                if e.nbytes and tensor.data_ptr() != address:
+                    self._place(base, bucket.index, e, tensors)
+                    if address is not None:  # it lived in the segment and was replaced
+                        self.relocated += 1
         if not self._checksum:
             return None
         return checksum(base[e.offset : e.offset + e.nbytes] for e in bucket.entries)
@@ -328,8 +437,8 @@ class SharedParameterTrainer(_InProcessSource):
             _unlink_segment(seg)
 
     async def aclose(self) -> None:
-        async with self._limiter:
-            self._unlink()
+        """Unlink every segment name, after a refresh still running; also when cancelled."""
+        await self._close_in_thread(self._unlink)
 
 
 def _unlink_segment(segment: _Segment) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from .._device import DeviceId
+from .._dtypes import dtype_name as dtype_name
+from .._dtypes import torch_dtype as torch_dtype
 from .._plan import TensorEntry
 
 if TYPE_CHECKING:
@@ -88,18 +90,3 @@ def make_importer(kind: str) -> Importer:
     cls = getattr(importlib.import_module(module_name), class_name)
     importer: Importer = cls()
     return importer
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The ``torch.dtype`` named ``name`` (``"bfloat16"``)."""
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name of a ``torch.dtype`` without the ``torch.`` prefix."""
-    return str(dtype).removeprefix("torch.")

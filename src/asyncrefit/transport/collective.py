@@ -20,12 +20,16 @@ devices changes or after any failure: a failed or cancelled push leaves the grou
 unknown state, so the next push starts a fresh one (remove a dead worker with
 ``RefitCoordinator.remove_worker`` first).
 
-The NCCL backend takes the same code path with CUDA buffers; it needs two GPUs and is
-exercised by the multi-GPU issue (8), not by this repository's CPU tests.
+The NCCL backend takes the same code path with CUDA buffers, each on an explicit GPU:
+the trainer's (``CollectiveTrainer(device=...)``) and, on a worker, the one its handle
+names by UUID; never the current device of a transport thread (``cuda:0`` in a fresh
+thread). A broadcast needs two GPUs; ``tests/test_collective_devices.py`` has the GPU
+tests, and the multi-GPU issue (8) exercises it further.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
@@ -34,11 +38,13 @@ import socket
 import threading
 import traceback
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
 
+from .._cuda import cuda_index, device_index
 from .._device import DeviceId
 from .._exceptions import ClosedError, TransportError
 from .._trainer import LocalTrainer, TensorsLike
@@ -134,10 +140,69 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+# Every NCCL buffer is placed on an explicit device: the transport's threads are fresh
+# threads, whose current CUDA device is cuda:0 whatever the training loop selected.
+
+
+def _empty(size: int, device: torch.device) -> torch.Tensor:
+    """A flat ``uint8`` buffer of ``size`` bytes on ``device``."""
+    import torch
+
+    return torch.empty(size, dtype=torch.uint8, device=device)
+
+
+def _on_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make ``device`` this thread's current CUDA device while in the block (CPU: nothing)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait on the host for the work enqueued on ``device``'s current stream."""
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _slot_device(backend: Backend, device: int | str | torch.device | None) -> torch.device:
+    """The device of a trainer's slots: the CPU for gloo, the given (or current) GPU for NCCL."""
+    import torch
+
+    if backend == "gloo":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"the gloo backend broadcasts CPU buffers, not {device}")
+        return torch.device("cpu")
+    if device is None and not torch.cuda.is_available():
+        raise TransportError("the nccl backend needs CUDA, which is not available")
+    return torch.device("cuda", device_index(device, transport="collective (nccl)"))
+
+
+def _receiver_device(handle: CollectiveHandle) -> torch.device:
+    """Where a worker receives ``handle``'s broadcast: NCCL, on the handle's GPU (its UUID)."""
+    import torch
+
+    if handle.backend == "nccl":
+        return torch.device("cuda", cuda_index(handle.device.device))
+    return torch.device("cpu")
+
+
 def _new_group(
-    backend: Backend, store: Any, prefix: str, rank: int, size: int, bind: str, timeout: float
+    backend: Backend,
+    store: Any,
+    prefix: str,
+    rank: int,
+    size: int,
+    bind: str,
+    timeout: float,
+    device: torch.device,
 ) -> Any:
-    """A process group of ``size`` ranks on ``PrefixStore(prefix, store)``; blocks until formed."""
+    """A process group of ``size`` ranks on ``PrefixStore(prefix, store)``; blocks until formed.
+
+    ``device`` is this rank's own (NCCL: its GPU, which the group's probe runs on).
+    """
     dist = _dist()
 
     prefixed = dist.PrefixStore(prefix, store)
@@ -145,12 +210,9 @@ def _new_group(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = _timedelta(timeout)
         group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-        # NCCL connects lazily: a one-element broadcast on this process's own GPU (a
+        # NCCL connects lazily: a one-element broadcast on this rank's own GPU (a
         # barrier would guess the GPU from the rank) makes a missing rank fail here.
-        import torch
-
-        probe = torch.zeros(1, dtype=torch.uint8, device=torch.device("cuda"))
-        _broadcast(group, probe, "nccl")
+        _broadcast(group, _empty(1, device), "nccl")
         return group
     options = dist.ProcessGroupGloo._Options()
     options._timeout = _timedelta(timeout)
@@ -160,15 +222,13 @@ def _new_group(
 
 def _broadcast(group: Any, tensor: torch.Tensor, backend: Backend) -> None:
     """Broadcast ``tensor`` from rank 0 (or receive it); blocks until it is complete."""
-    import torch
-
     dist = _dist()
 
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
     if backend == "nccl":
-        torch.cuda.current_stream(tensor.device).synchronize()
+        _synchronize(tensor.device)
 
 
 def _forget_frames(exc: BaseException) -> None:
@@ -207,10 +267,13 @@ class _Root:
 
     kind = "collective"
 
-    def __init__(self, host: str, port: int, backend: Backend, timeout: float) -> None:
+    def __init__(
+        self, host: str, port: int, backend: Backend, timeout: float, device: torch.device
+    ) -> None:
         self.host = host
         self.port = port
         self.backend: Backend = backend
+        self.device = device
         self.timeout = timeout
         self.session = secrets.token_hex(4)
         self.generation = 0
@@ -224,15 +287,14 @@ class _Root:
 
     def __repr__(self) -> str:
         return (
-            f"<collective root {self.backend} {self.host}:{self.port} gen={self.generation} "
+            f"<collective root {self.backend} on {self.device} {self.host}:{self.port} "
+            f"gen={self.generation} "
             f"members={len(self.members)} slots={len(self._slots)} broken={self.broken}>"
         )
 
     # --- the Exporter protocol ----------------------------------------------------------
 
     def allocate(self, slots: int, slot_bytes: int) -> None:
-        import torch
-
         dist = _dist()
 
         size = _framed(slot_bytes)
@@ -252,17 +314,16 @@ class _Root:
             self.port = self._store.port
         if len(self._slots) == slots and all(s.numel() == size for s in self._slots):
             return
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        self._slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(slots)]
+        self._slots = []
+        with _on_device(self.device):
+            self._slots = [_empty(size, self.device) for _ in range(slots)]
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._slots[slot]
 
     def seal(self, slot: int) -> None:
         if self.backend == "nccl":
-            import torch
-
-            torch.cuda.current_stream(self._slots[slot].device).synchronize()
+            _synchronize(self.device)  # where the slots are, and the pack's copies ran
 
     def handle(self, slot: int, bucket: Bucket, device: DeviceId) -> CollectiveHandle:
         try:
@@ -312,7 +373,8 @@ class _Root:
                 raise ClosedError("the collective trainer source is closed")
             generation = self.generation
             try:
-                self._send(slot, bucket, generation)
+                with _on_device(self.device):
+                    self._send(slot, bucket, generation)
             except TransportError as exc:
                 _forget_frames(exc)
                 self._fail()
@@ -345,6 +407,7 @@ class _Root:
                 1 + len(self.members),
                 self.host,
                 self.timeout,
+                self.device,
             )
         except Exception as exc:
             raise TransportError(
@@ -379,7 +442,11 @@ class CollectiveTrainer(LocalTrainer):
     workers connect to: ``127.0.0.1`` for workers on this machine, this node's IP
     otherwise (with Ray, ``ray.util.get_node_ip_address()`` on the trainer); ``port``
     0 picks a free one. ``backend`` is ``"gloo"`` (CPU buffers) or ``"nccl"`` (CUDA
-    buffers; exercised by the multi-GPU issue). ``timeout`` bounds the group's
+    buffers; exercised by the multi-GPU issue). With NCCL, ``device`` is the trainer's
+    GPU (an index, ``"cuda:1"``, a ``torch.device``; default: the current device of the
+    thread constructing the source): the slots, the group's probe and the broadcasts
+    live there, whichever thread runs them. A worker receives on the GPU its handle
+    names (by UUID). ``timeout`` bounds the group's
     formation and every broadcast, in seconds; keep it below the coordinator's
     ``timeout`` so that a receiver that never joins is reported by the transport.
 
@@ -408,13 +475,14 @@ class CollectiveTrainer(LocalTrainer):
         host: str = "127.0.0.1",
         port: int = 0,
         backend: Backend = "gloo",
+        device: int | str | torch.device | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         node: str | None = None,
         name: str = "collective",
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        self._root = _Root(host, port, backend, timeout)
+        self._root = _Root(host, port, backend, timeout, _slot_device(backend, device))
         super().__init__(parameters, exporter=self._root, devices=(), node=node, name=name)
         self._remote = frozenset(remote) if remote is not None else None
         # One broadcast at a time, in bucket order (every rank must issue them alike).
@@ -435,6 +503,11 @@ class CollectiveTrainer(LocalTrainer):
     def generation(self) -> int:
         """The current group generation (grows each time the group is re-formed)."""
         return self._root.generation
+
+    @property
+    def device(self) -> torch.device:
+        """Where the slots live and the broadcasts start: the CPU (gloo) or the GPU (NCCL)."""
+        return self._root.device
 
     async def describe(self) -> SourceInfo:
         return SourceInfo(
@@ -560,21 +633,17 @@ class CollectiveImporter:
             handle.world_size,
             bind,
             handle.timeout,
+            _receiver_device(handle),
         )
         self._group_key = key
         return self._group
 
-    def _receive_buffer(self, size: int, backend: Backend) -> torch.Tensor:
-        import torch
-
-        if self._buffer is None or self._buffer.numel() < size:
-            self._buffer = None
-            if backend == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                device = torch.device("cpu")
-            self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        return self._buffer
+    def _receive_buffer(self, size: int, device: torch.device) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            self._buffer = buffer = None  # free the old one before allocating
+            self._buffer = buffer = _empty(size, device)
+        return buffer
 
     def open(self, handle: Handle) -> torch.Tensor:
         if not isinstance(handle, CollectiveHandle):
@@ -607,16 +676,17 @@ class CollectiveImporter:
         return buffer[: handle.nbytes]
 
     def _receive(self, handle: CollectiveHandle, size: int) -> torch.Tensor:
-        group = self._join(handle)
-        buffer = self._receive_buffer(size, handle.backend)
-        _broadcast(group, buffer[:size], handle.backend)
+        device = _receiver_device(handle)
+        with _on_device(device):
+            group = self._join(handle)
+            buffer = self._receive_buffer(size, device)
+            _broadcast(group, buffer[:size], handle.backend)
         return buffer
 
     def finish(self, handle: Handle) -> None:
         if isinstance(handle, CollectiveHandle) and handle.backend == "nccl":
-            import torch
-
-            torch.cuda.current_stream().synchronize()
+            # The copies out of the buffer ran on the current stream of the buffer's GPU.
+            _synchronize(_receiver_device(handle))
 
     def _drop_group(self) -> None:
         group, self._group, self._group_key = self._group, None, None

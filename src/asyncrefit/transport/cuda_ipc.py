@@ -46,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._cuda import cuda_device, cuda_index, normalize_uuid
+from .._cuda import cuda_device, cuda_index, device_index, normalize_uuid
 from .._device import DeviceId
 from .._exceptions import TransportError
 from ._base import Handle
@@ -89,19 +89,6 @@ class CudaIpcHandle(Handle):
     storage_bytes: int
     storage_offset: int
     event_handle: bytes
-
-
-def _device_index(device: int | str | torch.device | None) -> int:
-    import torch
-
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise TransportError(f"the cuda_ipc transport needs a CUDA device, not {dev}")
-    return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
 def _ipc_collect() -> None:
@@ -159,7 +146,7 @@ class CudaIpcExporter:
 
         if not torch.cuda.is_available():
             raise TransportError("the cuda_ipc transport needs CUDA, which is not available")
-        self._index = _device_index(device)
+        self._index = device_index(device, transport="cuda_ipc")
         self.device_id: DeviceId = cuda_device(self._index, node=node)
         self._release_cached = release_cached_memory
         self._host_sync = host_sync

@@ -18,7 +18,6 @@ import mmap
 import os
 import re
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -35,20 +34,30 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "asyncrefit"
-_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-\d+-\d+$")
+#: The names :func:`segment_name` makes: pid, token, generation, index. A handle naming
+#: anything else (an absolute path, ``..``, a subdirectory) is refused.
+_NAME_RE = re.compile(rf"{PREFIX}-([0-9]+)-([0-9a-f]+)-([0-9]+)-([0-9]+)")
+_NAME_FORM = f"{PREFIX}-<pid>-<token>-<generation>-<index>"
 _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShmHandle(Handle):
-    """A bucket in the shared-memory segment ``segment`` (a name under /dev/shm)."""
+    """A bucket in the shared-memory segment ``segment`` (a name under /dev/shm).
+
+    Only names of the form :func:`segment_name` makes are opened: a worker refuses any
+    other (an absolute path, ``..``, a link), so a handle cannot make it map a file.
+    """
 
     kind: ClassVar[str] = "shm"
     segment: str
 
 
 def _path(name: str) -> str:
+    """The path of segment ``name``: only names of this library's form, under SHM_DIR."""
+    if not _NAME_RE.fullmatch(name):
+        raise TransportError(f"{name!r} is not a segment name ({_NAME_FORM})")
     return os.path.join(SHM_DIR, name)
 
 
@@ -72,7 +81,7 @@ class _Segment:
     @classmethod
     def create(cls, name: str, size: int) -> _Segment:
         try:
-            fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise TransportError(f"cannot create shared memory segment {name!r}: {exc}") from exc
         try:
@@ -92,7 +101,8 @@ class _Segment:
     @classmethod
     def open(cls, name: str) -> _Segment:
         try:
-            fd = os.open(_path(name), os.O_RDWR)
+            # Not through a link: /dev/shm is writable by every user of the machine.
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise TransportError(f"cannot open shared memory segment {name!r}: {exc}") from exc
         try:
@@ -148,7 +158,7 @@ def sweep_stale_segments() -> list[str]:
     except OSError:
         return removed
     for name in names:
-        match = _NAME_RE.match(name)
+        match = _NAME_RE.fullmatch(name)
         if match and not _pid_alive(int(match.group(1))):
             _unlink(name)
             removed.append(name)
@@ -230,32 +240,44 @@ class SharedMemoryExporter:
 
 
 class SharedMemoryImporter:
-    """Worker-side mappings of shared-memory segments, cached by name (LRU).
+    """Worker-side mappings of shared-memory segments, cached by name.
 
-    Resource handling: a mapping stays open across pushes (slots are reused) until it
-    is evicted (more than ``max_cached`` segments) or :meth:`close` is called. Callers
-    must drop their slices of the returned tensor before acknowledging a bucket.
+    A segment is mapped (its pages faulted in once) the first time a handle names it,
+    and stays mapped across pushes: every segment a source uses, however many (a
+    :class:`~asyncrefit.SharedParameterTrainer` has one per bucket), is read from its
+    cached mapping from then on. There is no fixed cap that a large plan would cycle
+    through, re-mapping every segment at every push.
+
+    Resource handling: a name carries its exporter (pid and token) and the exporter's
+    generation, which grows whenever it re-allocates. The first handle of a newer
+    generation drops that exporter's older mappings; the first handle of an exporter
+    not seen before drops the mappings whose names were unlinked (closed exporters').
+    :meth:`close` drops every mapping. Callers must drop their slices of the returned
+    tensor before acknowledging a bucket.
     """
 
-    def __init__(self, max_cached: int = 16) -> None:
-        self._max = max_cached
-        self._cache: OrderedDict[str, _Segment] = OrderedDict()
+    def __init__(self) -> None:
+        self._cache: dict[str, _Segment] = {}
+        self._newest: dict[tuple[int, str], int] = {}  # exporter -> newest generation
 
     def __len__(self) -> int:
         return len(self._cache)
 
+    def __repr__(self) -> str:
+        return f"<SharedMemoryImporter mapped={len(self._cache)}>"
+
     def open(self, handle: Handle) -> torch.Tensor:
         if not isinstance(handle, ShmHandle):
             raise TransportError(f"shared memory cannot open a {handle.kind!r} handle")
+        if not _NAME_RE.fullmatch(handle.segment):
+            raise TransportError(
+                f"the handle of bucket {handle.bucket} names segment {handle.segment!r}, "
+                f"which is not a segment name ({_NAME_FORM} under {SHM_DIR})"
+            )
         seg = self._cache.get(handle.segment)
         if seg is None:
-            seg = _Segment.open(handle.segment)
-            self._cache[handle.segment] = seg
-            while len(self._cache) > self._max:
-                _, old = self._cache.popitem(last=False)
-                old.close()
-        else:
-            self._cache.move_to_end(handle.segment)
+            self._forget_stale(handle.segment)
+            seg = self._cache[handle.segment] = _Segment.open(handle.segment)
         if seg.size < handle.nbytes or seg.tensor is None:
             raise TransportError(
                 f"segment {handle.segment!r} holds {seg.size} bytes, "
@@ -263,10 +285,36 @@ class SharedMemoryImporter:
             )
         return seg.tensor
 
+    def _forget_stale(self, name: str) -> None:
+        """Before mapping ``name``: drop the mappings that no handle will name again."""
+        owner, generation = _owner(name)
+        newest = self._newest.get(owner)
+        if newest is None:  # a new exporter; closed ones unlinked their names
+            stale = [n for n in self._cache if not os.path.exists(os.path.join(SHM_DIR, n))]
+        elif generation > newest:  # this exporter re-allocated
+            stale = [n for n in self._cache if _owner(n)[0] == owner and _owner(n)[1] < generation]
+        else:
+            stale = []
+        for n in stale:
+            self._cache.pop(n).close()
+        if newest is None or generation > newest:
+            self._newest[owner] = generation
+        if stale:
+            held = {_owner(n)[0] for n in self._cache} | {owner}
+            self._newest = {o: g for o, g in self._newest.items() if o in held}
+
     def finish(self, handle: Handle) -> None:
         pass  # CPU copies are complete when copy_ returns
 
     def close(self) -> None:
-        cache, self._cache = self._cache, OrderedDict()
+        cache, self._cache = self._cache, {}
+        self._newest = {}
         for seg in cache.values():
             seg.close()
+
+
+def _owner(name: str) -> tuple[tuple[int, str], int]:
+    """The exporter (pid, token) and generation in a segment name of our form."""
+    match = _NAME_RE.fullmatch(name)
+    assert match is not None, name
+    return (int(match.group(1)), match.group(2)), int(match.group(3))

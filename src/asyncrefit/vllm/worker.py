@@ -57,7 +57,7 @@ from .._messages import (
     VersionReply,
 )
 from .._plan import ParamSpec
-from .._receiver import UpdateStateError, VersionState
+from .._receiver import UpdateStateError, VersionState, check_layout
 from ..transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
 from ._wire import BACKEND, Aborted, BlockingChannel, Hello
 
@@ -364,9 +364,11 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
             raise UpdateStateError(f"bucket {request.bucket} arrived outside a weight update")
         handle = self._own_handle(request.handles)
         self._check(handle)
+        check_layout(handle)
         importer = self._importer(handle.kind)
         buffer = importer.open(handle)
         try:
+            check_layout(handle, buffer.numel())
             # Copy out of the trainer's buffer first: vLLM's layerwise reload keeps the
             # tensors of a layer until all of that layer arrived, possibly in a later
             # bucket, and the trainer reuses this buffer once the bucket is acked.
