@@ -412,6 +412,91 @@ async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
         await anyio.to_thread.run_sync(elsewhere)
 
 
+# --- tied embeddings -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tied(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LLM, Path]]:
+    """An ``LLM`` serving a tied-embedding checkpoint (the head is ``embed_tokens``)."""
+    arch: str = request.param
+    path = make_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}-tied"), arch=arch, tied=True)
+    before = engine_processes()
+    engine = LLM(model=str(path), **ENGINE_KWARGS)
+    started = _started_since(before)
+    try:
+        yield engine, path
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+        _shut_down(engine.llm_engine.engine_core, started)
+
+
+# The engine is synchronous: one loop is enough.
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_tied_embeddings_three_pushes_follow_the_trainer(tied: tuple[LLM, Path]) -> None:
+    llm, path = tied
+    model = load_trainer(path)
+    names = {n for n, _ in model.named_parameters()}
+    assert "lm_head.weight" not in names  # tied: the trainer sends embed_tokens only
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        for version in (1, 2, 3):
+            before, _ = await anyio.to_thread.run_sync(llm_generate, llm)
+            perturb(model, seed=500 + version)
+            want = greedy(model, PROMPTS, TOKENS)
+            assert want != before
+            await refit.push(version)
+            assert await anyio.to_thread.run_sync(llm_generate, llm) == (want, {str(version)})
+
+
+@torch.no_grad()
+def head_only_change(module: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> int:
+    """Change one row of the tied embedding (a token in no prompt) so that the model's
+    first token is that token for every prompt; returns it.
+
+    The prompts' embeddings stay as they were, so up to the first token's logits the
+    forward pass is unchanged except for the head: only an engine whose head follows
+    the pushed embedding can answer it.
+    """
+    model: Any = module  # a transformers causal LM
+    states = [model.model(input_ids=torch.tensor([list(p)])).last_hidden_state for p in prompts]
+    hidden = torch.stack([h[0, -1] for h in states])
+    embed = model.get_input_embeddings().weight
+    logits = hidden @ embed.T
+    used = {t for p in prompts for t in p} | {int(t) for t in logits.argmax(dim=1)}
+    token = next(t for t in range(embed.shape[0]) if t not in used)
+    direction = torch.nn.functional.normalize(hidden, dim=1).mean(dim=0)
+    direction /= direction.norm()
+    scale = 2 * float(logits.abs().max()) / float((hidden @ direction).min())
+    assert scale > 0, "the prompts' hidden states point different ways"
+    embed[token] = scale * direction
+    return token
+
+
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_tied_embeddings_a_change_seen_only_through_the_head(
+    tied: tuple[LLM, Path],
+) -> None:
+    llm, path = tied
+    model = load_trainer(path)
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=600)
+        await refit.push(1)
+        token = head_only_change(model, PROMPTS)
+        want = greedy(model, PROMPTS, TOKENS)
+        assert [w[0] for w in want] == [token] * len(PROMPTS)
+        await refit.push(2)
+        got, _ = await anyio.to_thread.run_sync(llm_generate, llm)
+        assert [g[0] for g in got] == [token] * len(PROMPTS)
+        assert got == want
+
+
 # --- tensor parallel 2 ----------------------------------------------------------------
 
 

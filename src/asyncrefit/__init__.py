@@ -20,6 +20,7 @@ from ._exceptions import IntegrityError as IntegrityError
 from ._exceptions import ParameterMismatchError as ParameterMismatchError
 from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
+from ._exceptions import StaleWeightsError as StaleWeightsError
 from ._exceptions import TransportError as TransportError
 from ._exceptions import UnknownDeviceError as UnknownDeviceError
 from ._exceptions import VersionError as VersionError
@@ -27,6 +28,7 @@ from ._exceptions import WorkerDiedError as WorkerDiedError
 from ._exceptions import WorkerError as WorkerError
 from ._exceptions import WorkerIntegrityError as WorkerIntegrityError
 from ._exceptions import WorkerRemoteError as WorkerRemoteError
+from ._exceptions import WorkerStaleWeightsError as WorkerStaleWeightsError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._messages import BucketAck as BucketAck
 from ._plan import Bucket as Bucket
@@ -73,6 +75,7 @@ __all__ = (
     "SharedParameterTrainer",
     "SourceInfo",
     "StageTimes",
+    "StaleWeightsError",
     "TensorEntry",
     "TrainerSource",
     "TransmittingSource",
@@ -85,6 +88,7 @@ __all__ = (
     "WorkerError",
     "WorkerIntegrityError",
     "WorkerRemoteError",
+    "WorkerStaleWeightsError",
     "WorkerTimeoutError",
     "checksum",
     "cpu_device",

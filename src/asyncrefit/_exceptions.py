@@ -128,8 +128,15 @@ class WorkerIntegrityError(WorkerRemoteError):
     """A worker's copy of a bucket did not match the trainer's checksum."""
 
 
+class WorkerStaleWeightsError(WorkerRemoteError):
+    """A worker refused to commit: part of its model would keep serving old weights."""
+
+
 #: Remote error types that map to a more specific local class.
-_REMOTE_TYPES: dict[str, type[WorkerRemoteError]] = {"IntegrityError": WorkerIntegrityError}
+_REMOTE_TYPES: dict[str, type[WorkerRemoteError]] = {
+    "IntegrityError": WorkerIntegrityError,
+    "StaleWeightsError": WorkerStaleWeightsError,
+}
 
 
 def remote_error(worker: str, remote_type: str, message: str) -> WorkerRemoteError:
@@ -148,6 +155,17 @@ class IntegrityError(AsyncRefitError):
             f"bucket {bucket}: checksum {got:#010x} after the copy, "
             f"{expected:#010x} from the trainer"
         )
+
+
+class StaleWeightsError(AsyncRefitError):
+    """A layer of an inference model would keep serving weights derived from the ones
+    an update replaced; ``sources`` names the written layers it shares tensors with."""
+
+    def __init__(self, layer: str, reason: str, sources: Iterable[str] = ()) -> None:
+        self.layer = layer
+        self.reason = reason
+        self.sources = tuple(sources)
+        super().__init__(f"layer {layer!r} would keep serving stale weights: {reason}")
 
 
 class TransportError(AsyncRefitError):

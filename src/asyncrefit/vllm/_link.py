@@ -33,6 +33,7 @@ from .._exceptions import (
     WorkerRemoteError,
     WorkerTimeoutError,
     primary_error,
+    remote_error,
 )
 from .._messages import (
     AbortUpdate,
@@ -290,7 +291,7 @@ def _translate(exc: BaseException, name: str) -> WorkerError:
 
 def _reply_of(reply: _Answer, name: str, kind: type[R]) -> R:
     if isinstance(reply, ErrorReply):
-        raise WorkerRemoteError(name, reply.type, reply.message)
+        raise remote_error(name, reply.type, reply.message)
     if not isinstance(reply, kind):
         raise WorkerRemoteError(
             name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"

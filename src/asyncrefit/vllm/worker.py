@@ -14,7 +14,9 @@ out of the trainer's buffer, drops every view of it, and feeds the tensors, unde
 checkpoint (Hugging Face) names, to the model's ``load_weights`` inside vLLM's
 layerwise reload (``start_weight_update`` .. ``finish_weight_update``), which repacks
 fused parameters (``qkv_proj``, ``gate_up_proj``) as a fresh load would, and can be
-repeated for the engine's whole life.
+repeated for the engine's whole life. Layers that received nothing but share tensors
+with written ones (a tied ``lm_head``) have their post-load processing re-run after the
+reload (see :mod:`asyncrefit.vllm._reload`), or the commit fails.
 
 This module imports torch and vLLM: only vLLM worker processes import it.
 """
@@ -59,6 +61,7 @@ from .._messages import (
 from .._plan import ParamSpec
 from .._receiver import UpdateStateError, VersionState
 from ..transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
+from . import _reload
 from ._wire import BACKEND, Aborted, BlockingChannel, Hello
 
 logger = logging.getLogger(__name__)
@@ -173,6 +176,11 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     (``verify=True``), is refused before any of its bytes reach the model.
     Aborting a session whose layers were partly loaded restores the layers that had
     not received all their tensors; the worker then holds no complete version.
+    A commit is refused (:class:`~asyncrefit.StaleWeightsError`) when a layer that
+    received nothing shares tensors with a written one and its post-load processing
+    cannot be re-run (see :mod:`asyncrefit.vllm._reload`); one that can is re-run after
+    the reload is finalized. If finalizing fails, the layers it did not reach get their
+    previous tensors back and the version stays incomplete (an abort reports it written).
     """
 
     init_info_cls = ChannelInitInfo
@@ -189,6 +197,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         self._state = VersionState()
         self._reloading = False
         self._commit: tuple[int, int] | None = None
+        self._shared: list[_reload.SharedLayer] = []
 
     def __repr__(self) -> str:
         return (
@@ -214,6 +223,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._commit = None
+        self._shared = []
         self._end_abandoned_reload()
         initialize_layerwise_reload(self.model)
         self._reloading = True
@@ -233,6 +243,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         hand) the session ends as an abort.
         """
         commit, self._commit = self._commit, None
+        shared, self._shared = self._shared, []
         if not self._reloading:
             return  # aborted already: the layers were restored then
         if commit is None:
@@ -243,7 +254,9 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         self._reloading = False
         try:
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+            _reload.refresh(shared)
         except BaseException:
+            _reload.restore_unfinished(self.model)
             self._state.abort(commit[0])
             raise
         self._state.commit(*commit)
@@ -304,6 +317,11 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                             f"version {v} committed with {len(self._state.loaded)} of {n} "
                             "buckets loaded"
                         )
+                    # Layers that share tensors with written ones must be renewed
+                    # after the finalize: refuse now if one of them cannot be.
+                    found = _reload.review(self.model)
+                    _reload.check(found)
+                    self._shared = list(found.shared)
                     self._commit = (v, n)
                     return Done()
                 case AbortUpdate(version=v):
@@ -401,6 +419,8 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, layerwise
 
         self._reloading = False
+        self._shared = []
+        shared = _reload.review(self.model).shared
         restore = getattr(layerwise, "_place_kernel_tensors", None)
         for layer in self.model.modules():
             info = layerwise.get_layerwise_info(layer)
@@ -412,7 +432,13 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
             if partial and restore is not None:
                 restore(layer, info)
                 info.reset()  # type: ignore[no-untyped-call, unused-ignore]
-        finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+        except BaseException:
+            _reload.restore_unfinished(self.model)
+            raise
+        # Whatever was written stays: layers sharing it must not serve older copies.
+        _reload.refresh(shared, strict=False)
 
     def _end_abandoned_reload(self) -> None:
         if self._state.pending is not None:
