@@ -400,6 +400,36 @@ async def test_async_llm_failed_push_resumes_and_is_honest(
         assert await async_generate(async_llm) == (served[0], {"3"})
 
 
+async def inject(engine: AsyncLLM, **faults: Any) -> None:
+    """Arm faults in every worker of ``engine`` (each fires once)."""
+    await engine.collective_rpc("asyncrefit_inject_faults", kwargs=faults)
+
+
+async def test_async_llm_failed_finalize_labels_the_engine_incomplete(
+    async_llm: AsyncLLM, checkpoint: Path
+) -> None:
+    model = load_trainer(checkpoint)
+    async with (
+        connect_async_llm(async_llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=700)
+        await refit.push(1)
+        assert await async_llm.get_weight_version() == "1"
+        perturb(model, seed=701)
+        await inject(async_llm, fail_finalize=True)
+        with pytest.raises(PushError, match="injected fault") as info:
+            await refit.push(2)
+        assert info.value.incomplete == ("vllm/rank-0",)
+        # every byte of version 2 was written, the finalize failed: no version is whole
+        assert await async_llm.get_weight_version() == "incomplete-2"
+        assert await workers[0].weight_version() is None
+        assert not await async_llm.is_paused()
+        # no layer was left unloaded: the next push makes the engine whole
+        await refit.push(3)
+        assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"3"})
+
+
 async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
     def elsewhere() -> None:
         async def connect() -> None:

@@ -331,6 +331,7 @@ class _EngineLink:
         self._next_id = 0
         self._gathers: dict[tuple[Any, ...], _Gather] = {}
         self._session: int | None = None
+        self._finishing: int | None = None  # the version whose finish was asked for
         self._paused = False
         self._dead: str | None = None
         self._dir: str | None = None
@@ -606,8 +607,11 @@ class _EngineLink:
                         message=f"rank {bad} could not commit: {error.type}: {error.message}",
                     )
                     return {r: failed.get(r, peer) for r in replies}
+                # From here on every byte is in: if finishing fails, the abort that
+                # follows labels the engine incomplete whatever the workers say.
+                self._finishing = version
                 await self._ops.finish(str(version))
-                self._session = None
+                self._session = self._finishing = None
                 self._paused = False
                 await self._ops.resume()
                 return replies
@@ -629,6 +633,7 @@ class _EngineLink:
         unconfirmed: Exception | None = None
         if self._session is not None:
             version, self._session = self._session, None
+            finishing, self._finishing = self._finishing == version, None
             written = True  # unless every rank says otherwise
             try:
                 ranks = range(self.world)
@@ -637,7 +642,7 @@ class _EngineLink:
                 )
                 # Any reply, an error included, comes after every earlier request of
                 # that rank was handled: no rank reads a trainer buffer any more.
-                written = not all(
+                written = finishing or not all(
                     isinstance(reply, Aborted) and not reply.written for reply in replies.values()
                 )
             except Exception as exc:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -152,6 +153,14 @@ def _no_mtp_check() -> Iterator[None]:
         yield
 
 
+@dataclass
+class _Faults:
+    """Faults to inject, each once (see :meth:`RefitWorkerExtension.asyncrefit_inject_faults`)."""
+
+    fail_finalize: bool = False
+    abort_delay: float = 0.0
+
+
 class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     WeightTransferEngine[ChannelInitInfo, ChannelTrigger]
 ):
@@ -198,6 +207,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         self._reloading = False
         self._commit: tuple[int, int] | None = None
         self._shared: list[_reload.SharedLayer] = []
+        self._faults = _Faults()
 
     def __repr__(self) -> str:
         return (
@@ -253,11 +263,15 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
 
         self._reloading = False
         try:
+            if self._faults.fail_finalize:
+                self._faults.fail_finalize = False
+                raise RuntimeError("injected fault: finalize_layerwise_reload failed")
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
             _reload.refresh(shared)
         except BaseException:
             _reload.restore_unfinished(self.model)
-            self._state.abort(commit[0])
+            # The version stays pending and written: no complete version here, and
+            # the abort that follows reports bytes written (the engine is relabelled).
             raise
         self._state.commit(*commit)
 
@@ -325,6 +339,9 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                     self._commit = (v, n)
                     return Done()
                 case AbortUpdate(version=v):
+                    if self._faults.abort_delay > 0:
+                        delay, self._faults.abort_delay = self._faults.abort_delay, 0.0
+                        time.sleep(delay)
                     self._commit = None
                     written = self._state.pending == v and self._state.dirty
                     if self._reloading:
@@ -374,8 +391,6 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         return importer
 
     def _load(self, request: LoadBucket) -> BucketAck:
-        import time
-
         start = time.perf_counter()
         self._state.check_loading(request.version)
         if not self._reloading:
@@ -461,13 +476,13 @@ class RefitWorkerExtension:
     """vLLM's ``worker_extension_cls`` for asyncrefit: RPCs outside weight updates.
 
     vLLM mixes this class into its worker class, so ``self`` is the vLLM worker. Its
-    one method serves a request of the channel (device id, parameter specs, version,
-    releasing handles) through ``collective_rpc``; loads go through vLLM's own
-    ``update_weights``. Subclass it to add methods of your own.
+    method :meth:`asyncrefit_serve` serves a request of the channel (device id,
+    parameter specs, version, releasing handles) through ``collective_rpc``; loads go
+    through vLLM's own ``update_weights``. :meth:`asyncrefit_inject_faults` is for
+    tests and drills. Subclass it to add methods of your own.
     """
 
-    def asyncrefit_serve(self, request_id: int) -> None:
-        """Serve request ``request_id`` from this worker's asyncrefit channel."""
+    def _asyncrefit_engine(self) -> ChannelWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, ChannelWeightTransferEngine):
             raise AsyncRefitError(
@@ -475,7 +490,25 @@ class RefitWorkerExtension:
                 f"engine (weight_transfer_config backend {BACKEND!r}); "
                 "pass asyncrefit.vllm.engine_args()"
             )
-        engine.serve(request_id)
+        return engine
+
+    def asyncrefit_serve(self, request_id: int) -> None:
+        """Serve request ``request_id`` from this worker's asyncrefit channel."""
+        self._asyncrefit_engine().serve(request_id)
+
+    def asyncrefit_inject_faults(
+        self, *, fail_finalize: bool = False, abort_delay: float = 0.0
+    ) -> None:
+        """For tests and drills: make this worker fail on cue, each fault once.
+
+        ``fail_finalize``: the next ``finish_weight_update`` after a commit raises where
+        vLLM's ``finalize_layerwise_reload`` would run, as if it had failed.
+        ``abort_delay``: the next abort request is answered only after this many
+        seconds (the worker blocks, as in a slow load).
+        Call it through ``collective_rpc("asyncrefit_inject_faults", kwargs=...)``.
+        """
+        engine = self._asyncrefit_engine()
+        engine._faults = _Faults(fail_finalize=fail_finalize, abort_delay=abort_delay)
 
 
 def register() -> None:
