@@ -430,6 +430,75 @@ async def test_async_llm_failed_finalize_labels_the_engine_incomplete(
         assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"3"})
 
 
+async def test_async_llm_abort_cut_short_by_the_coordinator_still_resumes(
+    async_llm: AsyncLLM, checkpoint: Path
+) -> None:
+    """The coordinator gives aborts ``cleanup_timeout`` (1 s here); the worker answers
+    this one after 4 s. The engine's session must still end and generation resume."""
+    model = load_trainer(checkpoint)
+    perturb(model, seed=800)
+    trainer = BreakingTrainer(dict(model.named_parameters()))
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    async with (
+        connect_async_llm(async_llm, pause_mode="keep") as workers,
+        RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=BUDGET, cleanup_timeout=1.0
+        ) as refit,
+    ):
+        await refit.push(1)
+        trainer.break_at = 2
+        await inject(async_llm, abort_delay=4.0)
+        outputs: list[RequestOutput] = []
+
+        async def request(started: anyio.Event) -> None:
+            outputs.append(await agenerate(async_llm, PROMPTS[0], long, started))
+
+        with anyio.fail_after(60):  # paused for good: the request would never end
+            async with anyio.create_task_group() as tg:
+                started = anyio.Event()
+                tg.start_soon(request, started)
+                await started.wait()
+                with pytest.raises(PushError):
+                    await refit.push(2)
+        assert outputs[0].outputs[0].finish_reason == "length"
+        assert not await async_llm.is_paused()
+        assert await async_llm.get_weight_version() == "incomplete-2"
+        trainer.break_at = None
+        await refit.push(3)  # vLLM's weight-update session was ended
+        assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"3"})
+
+
+async def test_async_llm_failed_resume_is_retried(
+    async_llm: AsyncLLM, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_trainer(checkpoint)
+    resume = async_llm.resume_generation
+    failures = 1
+
+    async def flaky_resume() -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise RuntimeError("resume_generation failed (injected)")
+        await resume()
+
+    async with (
+        connect_async_llm(async_llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=900)
+        monkeypatch.setattr(async_llm, "resume_generation", flaky_resume)
+        with pytest.raises(PushError, match="resume_generation failed"):
+            await refit.push(1)
+        assert failures == 0
+        assert not await async_llm.is_paused()  # the abort resumed it
+        # the weights were committed before resuming failed: the engine says so
+        assert await async_llm.get_weight_version() == "1"
+        assert await workers[0].weight_version() == 1
+        with anyio.fail_after(60):
+            assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"1"})
+
+
 async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
     def elsewhere() -> None:
         async def connect() -> None:
