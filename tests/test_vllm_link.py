@@ -20,14 +20,22 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 from anyio.abc import SocketStream
 
 from asyncrefit import (
     DeviceId,
+    LocalTrainer,
+    PeerWorkerError,
+    PushError,
+    RefitCoordinator,
+    WorkerDiedError,
+    WorkerIntegrityError,
     WorkerRemoteError,
     WorkerTimeoutError,
     local_node_id,
 )
+from asyncrefit._exceptions import primary_error
 from asyncrefit._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -45,8 +53,9 @@ from asyncrefit._messages import (
 )
 from asyncrefit._plan import ParamSpec
 from asyncrefit.local._framing import FrameReader
+from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
-from asyncrefit.vllm._link import _connected, _EngineLink
+from asyncrefit.vllm._link import _connected, _EngineLink, _translate
 from asyncrefit.vllm._wire import BACKEND, EXTENSION, Aborted, Hello, pack, unpack
 
 pytestmark = pytest.mark.timeout(30)
@@ -361,3 +370,80 @@ async def test_a_failed_finish_relabels_the_engine_incomplete() -> None:
         await workers[0].abort_update(2)
         assert engine.label == "incomplete-2"
         assert not engine.paused and not engine.session
+
+
+# --- errors name the rank that failed ----------------------------------------------
+
+
+async def test_a_peer_rank_that_dies_is_named_by_the_other_ranks_error() -> None:
+    async with engine_link(world=2) as (engine, workers):
+        await each(workers, lambda w: w.begin_update(1))
+        engine.workers[1].before["LoadBucket"] = engine.workers[1].close
+        errors: dict[str, Exception] = {}
+
+        async def load(w: VLLMWorker) -> None:
+            try:
+                await w.load_bucket(1, 0, ())
+            except Exception as exc:
+                errors[w.name] = exc
+
+        await each(workers, load)
+        died, peer = errors["vllm/rank-1"], errors["vllm/rank-0"]
+        assert isinstance(died, WorkerDiedError) and died.worker == "vllm/rank-1"
+        assert isinstance(peer, PeerWorkerError) and not isinstance(peer, WorkerDiedError)
+        assert peer.worker == "vllm/rank-0" and peer.peer == "vllm/rank-1"
+        assert peer.peer_error == "WorkerDiedError"
+        assert "rank 1 closed its channel" in str(peer)
+
+
+async def test_a_push_that_fails_at_one_rank_names_that_rank() -> None:
+    tensors = {"w": torch.zeros(64), "b": torch.ones(8)}
+    specs = tuple(
+        ParamSpec(name=n, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+        for n, t in sorted(tensors.items())
+    )
+    async with engine_link(world=2, specs=specs) as (engine, workers):
+        trainer = LocalTrainer(tensors)
+        async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=4096) as refit:
+            await refit.push(1)
+            engine.workers[1].before["LoadBucket"] = engine.workers[1].close
+            with pytest.raises(PushError) as info:
+                await refit.push(2)
+        assert info.value.failed == "vllm/rank-1"
+        assert isinstance(info.value.cause, WorkerDiedError)
+        assert info.value.cause.worker == "vllm/rank-1"
+        assert not engine.paused
+
+
+def test_translate_names_the_rank_that_failed() -> None:
+    ranks = ["vllm/rank-0", "vllm/rank-1"]
+    died = WorkerDiedError("vllm/rank-1", "rank 1 closed its channel")
+    peer = _translate(died, "vllm/rank-0", ranks)
+    assert isinstance(peer, PeerWorkerError)
+    assert (peer.worker, peer.peer, peer.peer_error) == (
+        "vllm/rank-0",
+        "vllm/rank-1",
+        "WorkerDiedError",
+    )
+    assert str(peer) == (
+        "worker 'vllm/rank-0': its peer 'vllm/rank-1' failed: WorkerDiedError: "
+        "rank 1 closed its channel"
+    )
+    own = _translate(died, "vllm/rank-1", ranks)
+    assert type(own) is WorkerDiedError and own.worker == "vllm/rank-1"
+    # a peer's report, asked again for the rank that failed, is that rank's error
+    back = _translate(peer, "vllm/rank-1", ranks)
+    assert isinstance(back, WorkerRemoteError) and back.remote_type == "WorkerDiedError"
+    # the engine's own errors (its link is dead) are every rank's
+    dead = _translate(WorkerDiedError("vllm", "rank 1 closed its channel"), "vllm/rank-0", ranks)
+    assert type(dead) is WorkerDiedError and dead.worker == "vllm/rank-0"
+    assert "rank 1" in str(dead)
+    integrity = WorkerIntegrityError("vllm/rank-0", "IntegrityError", "bucket 3: checksum")
+    assert type(_translate(integrity, "vllm/rank-0", ranks)) is WorkerIntegrityError
+
+
+async def test_a_push_error_prefers_the_failed_worker_over_its_peers_report() -> None:
+    died = WorkerDiedError("vllm/rank-1", "rank 1 closed its channel")
+    peer = PeerWorkerError("vllm/rank-0", "vllm/rank-1", "WorkerDiedError", died.detail)
+    assert primary_error(ExceptionGroup("push", [peer, died])) is died
+    assert primary_error(ExceptionGroup("push", [peer, RuntimeError("x")])) is peer

@@ -18,6 +18,7 @@ from ._exceptions import DiscoveryError as DiscoveryError
 from ._exceptions import DuplicateWorkerError as DuplicateWorkerError
 from ._exceptions import IntegrityError as IntegrityError
 from ._exceptions import ParameterMismatchError as ParameterMismatchError
+from ._exceptions import PeerWorkerError as PeerWorkerError
 from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
 from ._exceptions import StaleWeightsError as StaleWeightsError
@@ -67,6 +68,7 @@ __all__ = (
     "ParamSpec",
     "ParameterMismatchError",
     "ParameterReceiver",
+    "PeerWorkerError",
     "Plan",
     "PlanError",
     "PushError",

@@ -18,6 +18,7 @@ from ._exceptions import (
     BudgetTooSmallError,
     ClosedError,
     DuplicateWorkerError,
+    PeerWorkerError,
     PlanError,
     PushError,
     TransportError,
@@ -531,6 +532,8 @@ class RefitCoordinator:
                 if primary is None or not isinstance(primary, Exception):
                     raise  # cancelled (or interrupted): clean, then let it propagate
                 failed = primary.worker if isinstance(primary, WorkerError) else None
+                if isinstance(primary, PeerWorkerError):
+                    failed = primary.peer  # only the peer's report of it got here
                 raise PushError(
                     version, primary, account.touched - account.committed, failed
                 ) from primary

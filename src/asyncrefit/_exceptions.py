@@ -128,6 +128,18 @@ class WorkerIntegrityError(WorkerRemoteError):
     """A worker's copy of a bucket did not match the trainer's checksum."""
 
 
+class PeerWorkerError(WorkerError):
+    """A worker's step failed because another worker it shares the step with failed
+    (the ranks of one inference engine run every step together); ``peer`` names the
+    worker that failed and ``peer_error`` its error's type."""
+
+    def __init__(self, worker: str, peer: str, peer_error: str, peer_detail: str) -> None:
+        self.peer = peer
+        self.peer_error = peer_error
+        self.peer_detail = peer_detail
+        super().__init__(worker, f"its peer {peer!r} failed: {peer_error}: {peer_detail}")
+
+
 class WorkerStaleWeightsError(WorkerRemoteError):
     """A worker refused to commit: part of its model would keep serving old weights."""
 
@@ -215,13 +227,16 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 def primary_error(exc: BaseException) -> BaseException | None:
     """The one error a failed task group stands for; ``None`` if it was only cancelled.
 
-    Worker errors come first (they name where it failed), then other asyncrefit
-    errors, then anything else.
+    Worker errors come first (they name where it failed; a worker's own error before
+    a :class:`PeerWorkerError` that reports it), then other asyncrefit errors, then
+    anything else.
     """
     cancelled = anyio.get_cancelled_exc_class()
     leaves = [e for e in _leaves(exc) if not isinstance(e, cancelled)]
+    # A worker's own failure before a peer's report of it.
+    own = [e for e in leaves if isinstance(e, WorkerError) and not isinstance(e, PeerWorkerError)]
     for kind in (WorkerError, AsyncRefitError, Exception, BaseException):
-        for leaf in leaves:
+        for leaf in own + leaves:
             if isinstance(leaf, kind):
                 return leaf
     return None

@@ -17,7 +17,14 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Mapping,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
@@ -28,6 +35,7 @@ from anyio.abc import SocketStream
 from .._device import DeviceId
 from .._exceptions import (
     AsyncRefitError,
+    PeerWorkerError,
     WorkerDiedError,
     WorkerError,
     WorkerRemoteError,
@@ -278,11 +286,22 @@ class _LLMOps:
 # --- error translation -------------------------------------------------------------
 
 
-def _translate(exc: BaseException, name: str) -> WorkerError:
-    """``exc`` (from vLLM, or from another rank's step) as a typed error of ``name``."""
-    if isinstance(exc, WorkerRemoteError):
-        return WorkerRemoteError(name, exc.remote_type, exc.remote_message)
+def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> WorkerError:
+    """``exc`` (from vLLM, or from a step of every rank) as a typed error of ``name``.
+
+    A step runs on every rank of the engine: when it failed at another rank (one of
+    ``ranks``), ``name`` gets a :class:`PeerWorkerError` naming that rank, not that
+    rank's error under its own name.
+    """
+    if isinstance(exc, PeerWorkerError):
+        if exc.peer == name:
+            return WorkerRemoteError(name, exc.peer_error, exc.peer_detail)
+        return PeerWorkerError(name, exc.peer, exc.peer_error, exc.peer_detail)
     if isinstance(exc, WorkerError):
+        if exc.worker != name and exc.worker in ranks:
+            return PeerWorkerError(name, exc.worker, type(exc).__name__, exc.detail)
+        if isinstance(exc, WorkerRemoteError):
+            return remote_error(name, exc.remote_type, exc.remote_message)
         return type(exc)(name, exc.detail)
     if isinstance(exc, TimeoutError):
         return WorkerTimeoutError(name, f"the vLLM engine timed out: {exc}")
@@ -373,6 +392,11 @@ class _EngineLink:
 
     def worker_name(self, rank: int) -> str:
         return f"{self.name}/rank-{rank}"
+
+    def translate(self, exc: BaseException, rank: int) -> WorkerError:
+        """``exc`` as the error of ``rank``; a failure of another rank names that rank."""
+        names = [self.worker_name(r) for r in range(self.world)]
+        return _translate(exc, self.worker_name(rank), names)
 
     def statistics(self, rank: int) -> ChannelStatistics:
         return self._tally[rank].freeze()
@@ -559,12 +583,12 @@ class _EngineLink:
             except BaseException as exc:
                 gather.error = exc
                 if isinstance(exc, Exception):
-                    raise _translate(exc, self.worker_name(rank)) from exc
+                    raise self.translate(exc, rank) from exc
                 raise
             finally:
                 gather.done.set()
         if gather.error is not None:
-            raise _translate(gather.error, self.worker_name(rank)) from gather.error
+            raise self.translate(gather.error, rank) from gather.error
         return gather.replies[rank]
 
     def _drop_gathers(self) -> None:
@@ -584,7 +608,7 @@ class _EngineLink:
         try:
             replies = await self._exchange(dict.fromkeys(range(self.world), request), "serve")
         except Exception as exc:
-            raise _translate(exc, self.worker_name(rank)) from exc
+            raise self.translate(exc, rank) from exc
         return replies[rank]
 
     async def begin(self, rank: int, version: int) -> _Answer:
@@ -803,7 +827,7 @@ class VLLMWorker:
         try:
             await self._link.abort(self._rank, version)
         except Exception as exc:
-            raise _translate(exc, self._name) from exc
+            raise self._link.translate(exc, self._rank) from exc
 
     async def weight_version(self) -> int | None:
         reply = await self._link.serve(self._rank, GetVersion())
