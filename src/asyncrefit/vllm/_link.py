@@ -369,7 +369,7 @@ class _EngineLink:
         state = f"dead ({self._dead})" if self._dead else "alive"
         return (
             f"<vLLM engine link {self.name!r} ranks={self.world} session={self._session} "
-            f"paused={self._paused} {state}>"
+            f"unconfirmed={self._unconfirmed} paused={self._paused} {state}>"
         )
 
     @staticmethod
@@ -773,10 +773,14 @@ class VLLMWorker:
     with the version as the engine's weight version, and resumes generation.
 
     Error handling: a failure inside the worker raises :class:`WorkerRemoteError`
-    naming this worker; a dead engine or broken channel :class:`WorkerDiedError`. An
-    abort (which the coordinator sends after any failure) ends vLLM's update session
-    and always resumes generation; if bytes of the new version were written, the
-    engine's weight version becomes ``"incomplete-<version>"``.
+    naming this worker; a dead engine or broken channel :class:`WorkerDiedError`; a
+    step that failed at another rank of the engine :class:`~asyncrefit.PeerWorkerError`
+    naming that rank. A commit is refused with
+    :class:`~asyncrefit.WorkerStaleWeightsError` when part of the model could not follow
+    the pushed weights. An abort (which the coordinator sends after any failure) ends
+    vLLM's update session and always resumes generation (see
+    :func:`connect_async_llm`); if bytes of the new version were written, or finishing
+    the update failed, the engine's weight version becomes ``"incomplete-<version>"``.
     """
 
     def __init__(self, link: _EngineLink, rank: int) -> None:
