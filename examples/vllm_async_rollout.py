@@ -57,7 +57,9 @@ def make_checkpoint(path: str) -> None:
         num_hidden_layers=2,
         vocab_size=VOCAB,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        # The head is the input embedding, as in Llama-3.2-1B/3B or Qwen2-0.5B: the
+        # trainer sends model.embed_tokens.weight only.
+        tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
 

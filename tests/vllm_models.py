@@ -1,7 +1,10 @@
-"""A tiny Llama for the vLLM tests, made with ``transformers``: nothing is downloaded.
+"""Tiny models for the vLLM tests, made with ``transformers``: nothing is downloaded.
 
-The trainer is a ``transformers.LlamaForCausalLM`` (Hugging Face parameter names); the
-engine loads the same checkpoint. Greedy decoding is written out (argmax of the full
+The trainer is a ``transformers`` Llama or Qwen2 (Hugging Face parameter names); the
+engine loads the same checkpoint. ``tied=True`` ties the output head to the input
+embeddings (``tie_word_embeddings``), as Llama-3.2-1B/3B, Qwen2-0.5B/1.5B and Gemma do:
+the checkpoint then has no ``lm_head.weight``, and neither has the trainer's
+``named_parameters()``. Greedy decoding is written out (argmax of the full
 forward pass) so that no generation config (an EOS token, say) makes the trainer stop
 where the engine, started without a tokenizer, does not.
 """
@@ -14,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from asyncrefit.vllm import engine_args
 
@@ -48,17 +57,24 @@ ENGINE_KWARGS: dict[str, Any] = {
 }
 
 
-def make_checkpoint(path: Path, seed: int = 0) -> Path:
-    """Save a random tiny Llama (float32, safetensors) into ``path``."""
+def make_checkpoint(path: Path, seed: int = 0, *, arch: str = "llama", tied: bool = False) -> Path:
+    """Save a random tiny Llama or Qwen2 (float32, safetensors) into ``path``."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))  # type: ignore[no-untyped-call, unused-ignore]
+    config = {**CONFIG, "tie_word_embeddings": tied}
+    model: Any
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**config))  # type: ignore[no-untyped-call, unused-ignore]
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**config))  # type: ignore[no-untyped-call, unused-ignore]
+    else:
+        raise ValueError(f"unknown architecture {arch!r}")
     model.save_pretrained(path)  # float32: the default dtype
     return path
 
 
 def load_trainer(path: Path) -> torch.nn.Module:
     """The trainer's copy: the checkpoint the engine started from."""
-    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
 
 

@@ -19,8 +19,10 @@ from ._exceptions import DuplicateWorkerError as DuplicateWorkerError
 from ._exceptions import IntegrityError as IntegrityError
 from ._exceptions import PackError as PackError
 from ._exceptions import ParameterMismatchError as ParameterMismatchError
+from ._exceptions import PeerWorkerError as PeerWorkerError
 from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
+from ._exceptions import StaleWeightsError as StaleWeightsError
 from ._exceptions import TransportError as TransportError
 from ._exceptions import UnknownDeviceError as UnknownDeviceError
 from ._exceptions import UnknownWorkerError as UnknownWorkerError
@@ -30,6 +32,7 @@ from ._exceptions import WorkerError as WorkerError
 from ._exceptions import WorkerIntegrityError as WorkerIntegrityError
 from ._exceptions import WorkerProtocolError as WorkerProtocolError
 from ._exceptions import WorkerRemoteError as WorkerRemoteError
+from ._exceptions import WorkerStaleWeightsError as WorkerStaleWeightsError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._messages import BucketAck as BucketAck
 from ._plan import Bucket as Bucket
@@ -69,6 +72,7 @@ __all__ = (
     "ParamSpec",
     "ParameterMismatchError",
     "ParameterReceiver",
+    "PeerWorkerError",
     "Plan",
     "PlanError",
     "PushError",
@@ -77,6 +81,7 @@ __all__ = (
     "SharedParameterTrainer",
     "SourceInfo",
     "StageTimes",
+    "StaleWeightsError",
     "TensorEntry",
     "TrainerSource",
     "TransmittingSource",
@@ -91,6 +96,7 @@ __all__ = (
     "WorkerIntegrityError",
     "WorkerProtocolError",
     "WorkerRemoteError",
+    "WorkerStaleWeightsError",
     "WorkerTimeoutError",
     "checksum",
     "cpu_device",

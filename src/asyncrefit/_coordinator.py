@@ -24,6 +24,7 @@ from ._exceptions import (
     AsyncRefitError,
     ClosedError,
     DuplicateWorkerError,
+    PeerWorkerError,
     PlanError,
     PushError,
     TransportError,
@@ -534,6 +535,8 @@ class RefitCoordinator:
                     raise PushError(version, closed, account.incomplete(), None) from None
                 raise  # cancelled (or interrupted): clean, then let it propagate
             failed = primary.worker if isinstance(primary, WorkerError) else None
+            if isinstance(primary, PeerWorkerError):
+                failed = primary.peer  # only a peer's report of the failure got here
             raise PushError(version, primary, account.incomplete(), failed) from primary
         self._ledger.complete(version)
         return RefitReport(

@@ -160,8 +160,27 @@ class WorkerProtocolError(WorkerRemoteError):
         super().__init__(worker, "ProtocolError", message)
 
 
+class PeerWorkerError(WorkerError):
+    """A worker's step failed because another worker it shares the step with failed
+    (the ranks of one inference engine run every step together); ``peer`` names the
+    worker that failed and ``peer_error`` its error's type."""
+
+    def __init__(self, worker: str, peer: str, peer_error: str, peer_detail: str) -> None:
+        self.peer = peer
+        self.peer_error = peer_error
+        self.peer_detail = peer_detail
+        super().__init__(worker, f"its peer {peer!r} failed: {peer_error}: {peer_detail}")
+
+
+class WorkerStaleWeightsError(WorkerRemoteError):
+    """A worker refused to commit: part of its model would keep serving old weights."""
+
+
 #: Remote error types that map to a more specific local class.
-_REMOTE_TYPES: dict[str, type[WorkerRemoteError]] = {"IntegrityError": WorkerIntegrityError}
+_REMOTE_TYPES: dict[str, type[WorkerRemoteError]] = {
+    "IntegrityError": WorkerIntegrityError,
+    "StaleWeightsError": WorkerStaleWeightsError,
+}
 
 
 def remote_error(worker: str, remote_type: str, message: str) -> WorkerRemoteError:
@@ -200,6 +219,17 @@ class PackError(AsyncRefitError):
         super().__init__(
             f"trainer source {source!r}, bucket {bucket}, parameter {parameter!r}: {detail}"
         )
+
+
+class StaleWeightsError(AsyncRefitError):
+    """A layer of an inference model would keep serving weights derived from the ones
+    an update replaced; ``sources`` names the written layers it shares tensors with."""
+
+    def __init__(self, layer: str, reason: str, sources: Iterable[str] = ()) -> None:
+        self.layer = layer
+        self.reason = reason
+        self.sources = tuple(sources)
+        super().__init__(f"layer {layer!r} would keep serving stale weights: {reason}")
 
 
 class TransportError(AsyncRefitError):
@@ -249,13 +279,16 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 def primary_error(exc: BaseException) -> BaseException | None:
     """The one error a failed task group stands for; ``None`` if it was only cancelled.
 
-    Worker errors come first (they name where it failed), then other asyncrefit
-    errors, then anything else.
+    Worker errors come first (they name where it failed; a worker's own error before
+    a :class:`PeerWorkerError` that reports it), then other asyncrefit errors, then
+    anything else.
     """
     cancelled = anyio.get_cancelled_exc_class()
     leaves = [e for e in _leaves(exc) if not isinstance(e, cancelled)]
+    # A worker's own failure before a peer's report of it.
+    own = [e for e in leaves if isinstance(e, WorkerError) and not isinstance(e, PeerWorkerError)]
     for kind in (WorkerError, AsyncRefitError, Exception, BaseException):
-        for leaf in leaves:
+        for leaf in own + leaves:
             if isinstance(leaf, kind):
                 return leaf
     return None

@@ -17,7 +17,14 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Mapping,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
@@ -28,11 +35,13 @@ from anyio.abc import SocketStream
 from .._device import DeviceId
 from .._exceptions import (
     AsyncRefitError,
+    PeerWorkerError,
     WorkerDiedError,
     WorkerError,
     WorkerRemoteError,
     WorkerTimeoutError,
     primary_error,
+    remote_error,
 )
 from .._messages import (
     AbortUpdate,
@@ -67,6 +76,10 @@ _Answer = Reply | Aborted
 _PAUSE_MODES = ("abort", "wait", "keep")
 
 _SEND_TIMEOUT = 30.0
+#: The default ``cleanup_timeout``: longer than a collective transport's receive (30 s)
+#: and a frame's send (30 s), which an abort may wait behind in the engine, so that by
+#: default an abort is answered rather than reported unconfirmed.
+CLEANUP_TIMEOUT = 45.0
 
 
 class EngineConfigError(AsyncRefitError):
@@ -273,11 +286,22 @@ class _LLMOps:
 # --- error translation -------------------------------------------------------------
 
 
-def _translate(exc: BaseException, name: str) -> WorkerError:
-    """``exc`` (from vLLM, or from another rank's step) as a typed error of ``name``."""
-    if isinstance(exc, WorkerRemoteError):
-        return WorkerRemoteError(name, exc.remote_type, exc.remote_message)
+def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> WorkerError:
+    """``exc`` (from vLLM, or from a step of every rank) as a typed error of ``name``.
+
+    A step runs on every rank of the engine: when it failed at another rank (one of
+    ``ranks``), ``name`` gets a :class:`PeerWorkerError` naming that rank, not that
+    rank's error under its own name.
+    """
+    if isinstance(exc, PeerWorkerError):
+        if exc.peer == name:
+            return WorkerRemoteError(name, exc.peer_error, exc.peer_detail)
+        return PeerWorkerError(name, exc.peer, exc.peer_error, exc.peer_detail)
     if isinstance(exc, WorkerError):
+        if exc.worker != name and exc.worker in ranks:
+            return PeerWorkerError(name, exc.worker, type(exc).__name__, exc.detail)
+        if isinstance(exc, WorkerRemoteError):
+            return remote_error(name, exc.remote_type, exc.remote_message)
         return type(exc)(name, exc.detail)
     if isinstance(exc, TimeoutError):
         return WorkerTimeoutError(name, f"the vLLM engine timed out: {exc}")
@@ -290,7 +314,7 @@ def _translate(exc: BaseException, name: str) -> WorkerError:
 
 def _reply_of(reply: _Answer, name: str, kind: type[R]) -> R:
     if isinstance(reply, ErrorReply):
-        raise WorkerRemoteError(name, reply.type, reply.message)
+        raise remote_error(name, reply.type, reply.message)
     if not isinstance(reply, kind):
         raise WorkerRemoteError(
             name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"
@@ -329,7 +353,13 @@ class _EngineLink:
         self._session_lock = anyio.Lock()  # begin, commit and abort
         self._next_id = 0
         self._gathers: dict[tuple[Any, ...], _Gather] = {}
+        # The version of vLLM's weight-update session, from the call that starts it until
+        # the call that ends it (finish or abort): while set, no rank may generate
+        # before the session is ended.
         self._session: int | None = None
+        self._finishing: int | None = None  # the version whose finish was asked for
+        # An abort that got no answer: no proof yet that no rank reads a trainer buffer.
+        self._unconfirmed: int | None = None
         self._paused = False
         self._dead: str | None = None
         self._dir: str | None = None
@@ -339,7 +369,7 @@ class _EngineLink:
         state = f"dead ({self._dead})" if self._dead else "alive"
         return (
             f"<vLLM engine link {self.name!r} ranks={self.world} session={self._session} "
-            f"paused={self._paused} {state}>"
+            f"unconfirmed={self._unconfirmed} paused={self._paused} {state}>"
         )
 
     @staticmethod
@@ -362,6 +392,11 @@ class _EngineLink:
 
     def worker_name(self, rank: int) -> str:
         return f"{self.name}/rank-{rank}"
+
+    def translate(self, exc: BaseException, rank: int) -> WorkerError:
+        """``exc`` as the error of ``rank``; a failure of another rank names that rank."""
+        names = [self.worker_name(r) for r in range(self.world)]
+        return _translate(exc, self.worker_name(rank), names)
 
     def statistics(self, rank: int) -> ChannelStatistics:
         return self._tally[rank].freeze()
@@ -412,18 +447,26 @@ class _EngineLink:
     async def aclose(self) -> None:
         """End an open session (resuming generation), release the workers' channels.
 
-        Shielded from cancellation and bounded by the cleanup timeout; errors of an
-        engine that is gone are logged.
+        Shielded from cancellation; waiting for a push to let go of the session, and
+        every engine call, bounded by the cleanup timeout; errors of an engine that is
+        gone are logged.
         """
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self._cleanup):
+            acquired = False
+            with anyio.move_on_after(self._cleanup):  # a push that is still ending
+                await self._session_lock.acquire()
+                acquired = True
+            if acquired:
                 try:
-                    async with self._session_lock:
-                        await self._abort_locked()  # resumes generation, even if dead
-                    if self._dead is None and len(self._streams) == self.world:
-                        await self._ops.shutdown()
+                    await self._abort_locked()  # resumes generation, even if dead
                 except Exception as exc:
-                    logger.warning("engine %s: closing its channels failed: %s", self.name, exc)
+                    logger.warning("engine %s: the abort was not confirmed: %s", self.name, exc)
+                finally:
+                    self._session_lock.release()
+            else:
+                logger.error("engine %s: a push still holds the session; not aborted", self.name)
+            if self._dead is None and len(self._streams) == self.world:
+                await self._bounded("closing the workers' channels", self._ops.shutdown)
             for stream in self._streams.values():
                 await stream.aclose()
             self._streams.clear()
@@ -540,12 +583,12 @@ class _EngineLink:
             except BaseException as exc:
                 gather.error = exc
                 if isinstance(exc, Exception):
-                    raise _translate(exc, self.worker_name(rank)) from exc
+                    raise self.translate(exc, rank) from exc
                 raise
             finally:
                 gather.done.set()
         if gather.error is not None:
-            raise _translate(gather.error, self.worker_name(rank)) from gather.error
+            raise self.translate(gather.error, rank) from gather.error
         return gather.replies[rank]
 
     def _drop_gathers(self) -> None:
@@ -565,19 +608,21 @@ class _EngineLink:
         try:
             replies = await self._exchange(dict.fromkeys(range(self.world), request), "serve")
         except Exception as exc:
-            raise _translate(exc, self.worker_name(rank)) from exc
+            raise self.translate(exc, rank) from exc
         return replies[rank]
 
     async def begin(self, rank: int, version: int) -> _Answer:
         async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
             async with self._session_lock:
-                if self._session is not None:  # an earlier push was never ended
-                    await self._abort_locked()
+                if self._session is not None or self._unconfirmed is not None:
+                    await self._abort_locked()  # an earlier push was never ended
                 self._drop_gathers()
-                self._paused = True  # set first: an abort then resumes whatever happened
+                # Each set before its call: if the call fails or is cancelled, the abort
+                # that follows ends whatever was started, then resumes generation.
+                self._paused = True
                 await self._ops.pause()
-                await self._ops.start()
                 self._session = version
+                await self._ops.start()
                 return await self._exchange(requests, "update")
 
         return await self._gathered(("begin", version), rank, BeginUpdate(version=version), run)
@@ -605,10 +650,21 @@ class _EngineLink:
                         message=f"rank {bad} could not commit: {error.type}: {error.message}",
                     )
                     return {r: failed.get(r, peer) for r in replies}
+                # From here on every byte is in: if finishing fails, the abort that
+                # follows labels the engine incomplete whatever the workers say.
+                self._finishing = version
                 await self._ops.finish(str(version))
-                self._session = None
-                self._paused = False
-                await self._ops.resume()
+                self._session = self._finishing = None
+                try:
+                    await self._ops.resume()
+                except Exception as exc:
+                    # Still paused: fail the push; the abort that follows resumes again.
+                    raise WorkerRemoteError(
+                        self.name,
+                        type(exc).__name__,
+                        f"version {version} is in, but resuming generation failed: {exc}",
+                    ) from exc
+                self._paused = False  # only once resumed: else the next abort retries
                 return replies
 
         request = CommitUpdate(version=version, buckets=buckets)
@@ -617,47 +673,89 @@ class _EngineLink:
     async def abort(self, rank: int, version: int) -> None:
         """End the engine's session, whichever rank asks first; never waits for others.
 
-        Returns once no rank reads a trainer buffer any more. Generation is resumed
-        whatever else fails; failures to end vLLM's session or to resume are logged.
+        Returns once no rank reads a trainer buffer any more, or raises if that could
+        not be confirmed (the next abort asks again). Generation is resumed whatever
+        else fails: see :meth:`_abort_locked`.
         """
         async with self._session_lock:
             await self._abort_locked()
 
     async def _abort_locked(self) -> None:
+        """Abort the open session (or confirm an earlier abort), end vLLM's weight
+        update, label the engine incomplete if bytes were written, resume generation.
+
+        Shielded from cancellation: once begun, every step is taken, each engine call
+        bounded by the cleanup timeout. The engine runs its calls in order, so a call
+        that timed out here still comes before the ones after it (the abort before the
+        finish, the finish before the resume). State is cleared only by the step that
+        concludes it: the session by ending vLLM's update, the pause by a resume that
+        succeeded (a failed one is retried by the next abort or close).
+        """
         self._drop_gathers()
         unconfirmed: Exception | None = None
-        if self._session is not None:
-            version, self._session = self._session, None
-            written = True  # unless every rank says otherwise
+        with anyio.CancelScope(shield=True):
             try:
-                ranks = range(self.world)
-                replies = await self._exchange(
-                    {r: AbortUpdate(version=version) for r in ranks}, "serve"
-                )
-                # Any reply, an error included, comes after every earlier request of
-                # that rank was handled: no rank reads a trainer buffer any more.
-                written = not all(
-                    isinstance(reply, Aborted) and not reply.written for reply in replies.values()
-                )
-            except Exception as exc:
-                unconfirmed = exc
-            try:
-                await self._ops.finish(None)
-            except Exception as exc:
-                logger.error("engine %s: ending vLLM's weight update failed: %s", self.name, exc)
-            if written:
-                try:  # outputs must not claim a version the engine no longer holds whole
-                    await self._ops.set_label(f"incomplete-{version}")
-                except Exception as exc:
-                    logger.error("engine %s: relabelling failed: %s", self.name, exc)
-        if self._paused:
-            try:
-                await self._ops.resume()
-                self._paused = False
-            except Exception as exc:
-                logger.error("engine %s: resuming generation failed: %s", self.name, exc)
+                if self._session is not None or self._unconfirmed is not None:
+                    unconfirmed = await self._end_session()
+            finally:
+                if self._paused:
+                    await self._resume()
         if unconfirmed is not None:
             raise unconfirmed
+
+    async def _end_session(self) -> Exception | None:
+        """The abort exchange, then (if a session is open) vLLM's finish and the label;
+        returns why the abort is unconfirmed, or ``None``."""
+        session = self._session
+        version = session if session is not None else self._unconfirmed
+        assert version is not None
+        written = self._finishing == version  # every byte was in when finishing failed
+        unconfirmed: Exception | None = None
+        try:
+            with anyio.fail_after(self._cleanup):
+                replies = await self._exchange(
+                    {r: AbortUpdate(version=version) for r in range(self.world)}, "serve"
+                )
+        except Exception as exc:
+            unconfirmed = exc
+            written = True  # unless every rank says otherwise
+            if isinstance(exc, TimeoutError):
+                unconfirmed = WorkerTimeoutError(
+                    self.name,
+                    f"the abort of version {version} got no answer within "
+                    f"{self._cleanup} s (it stays queued in the engine)",
+                )
+        else:
+            # Any reply, an error included, comes after every earlier request of that
+            # rank was handled: no rank reads a trainer buffer any more.
+            written = written or not all(
+                isinstance(reply, Aborted) and not reply.written for reply in replies.values()
+            )
+        self._unconfirmed = None if unconfirmed is None else version
+        if session is None:
+            return unconfirmed  # vLLM's update was ended before: only confirming
+        await self._bounded("ending vLLM's weight update", lambda: self._ops.finish(None))
+        self._session = self._finishing = None
+        if written:  # outputs must not claim a version the engine no longer holds whole
+            label = f"incomplete-{version}"
+            await self._bounded("relabelling", lambda: self._ops.set_label(label))
+        return unconfirmed
+
+    async def _bounded(self, what: str, call: Callable[[], Awaitable[None]]) -> bool:
+        """One engine call of a cleanup, at most the cleanup timeout; failures logged."""
+        try:
+            with anyio.fail_after(self._cleanup):
+                await call()
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(f"no answer within {self._cleanup} s")
+            logger.error("engine %s: %s failed: %s", self.name, what, exc)
+            return False
+        return True
+
+    async def _resume(self) -> None:
+        if await self._bounded("resuming generation", self._ops.resume):
+            self._paused = False
 
 
 class VLLMWorker:
@@ -675,10 +773,14 @@ class VLLMWorker:
     with the version as the engine's weight version, and resumes generation.
 
     Error handling: a failure inside the worker raises :class:`WorkerRemoteError`
-    naming this worker; a dead engine or broken channel :class:`WorkerDiedError`. An
-    abort (which the coordinator sends after any failure) ends vLLM's update session
-    and always resumes generation; if bytes of the new version were written, the
-    engine's weight version becomes ``"incomplete-<version>"``.
+    naming this worker; a dead engine or broken channel :class:`WorkerDiedError`; a
+    step that failed at another rank of the engine :class:`~asyncrefit.PeerWorkerError`
+    naming that rank. A commit is refused with
+    :class:`~asyncrefit.WorkerStaleWeightsError` when part of the model could not follow
+    the pushed weights. An abort (which the coordinator sends after any failure) ends
+    vLLM's update session and always resumes generation (see
+    :func:`connect_async_llm`); if bytes of the new version were written, or finishing
+    the update failed, the engine's weight version becomes ``"incomplete-<version>"``.
     """
 
     def __init__(self, link: _EngineLink, rank: int) -> None:
@@ -729,7 +831,7 @@ class VLLMWorker:
         try:
             await self._link.abort(self._rank, version)
         except Exception as exc:
-            raise _translate(exc, self._name) from exc
+            raise self._link.translate(exc, self._rank) from exc
 
     async def weight_version(self) -> int | None:
         reply = await self._link.serve(self._rank, GetVersion())
@@ -757,7 +859,7 @@ async def connect_async_llm(
     clear_cache: bool = True,
     name: str = "vllm",
     rpc_timeout: float = 60.0,
-    cleanup_timeout: float = 10.0,
+    cleanup_timeout: float = CLEANUP_TIMEOUT,
 ) -> AsyncIterator[list[VLLMWorker]]:
     """Connect to a running ``vllm.AsyncLLM``; yields one :class:`VLLMWorker` per rank.
 
@@ -776,8 +878,17 @@ async def connect_async_llm(
     Resource handling: entering opens one Unix socket that every rank connects to;
     exiting ends any open update session, resumes generation, asks the workers to
     close their channels and handle mappings (``shutdown_weight_transfer_engine``),
-    and removes the socket, shielded from cancellation and bounded by
-    ``cleanup_timeout``. It does not shut the engine down.
+    and removes the socket, shielded from cancellation. It does not shut the engine
+    down.
+
+    Cleanup is bounded per engine call: an abort (which the coordinator sends after a
+    failed or cancelled push) and exiting wait at most ``cleanup_timeout`` for each of
+    the abort exchange, vLLM's ``finish_weight_update``, the relabelling and
+    ``resume_generation``, and run to their end even when the coordinator's own
+    ``cleanup_timeout`` (or a cancellation) cuts its wait short: generation is resumed
+    on every path. The engine runs its calls in order, so a call that timed out still
+    comes before those after it. A resume that fails is retried by the next abort and
+    on exit; a commit whose resume fails fails the push (its weights are in).
 
     Error handling: :class:`EngineConfigError` and :class:`EngineLoopError` before
     anything is sent; :class:`~asyncrefit.WorkerTimeoutError` if the workers do not
@@ -798,7 +909,7 @@ async def connect_llm(
     *,
     name: str = "vllm",
     rpc_timeout: float = 60.0,
-    cleanup_timeout: float = 10.0,
+    cleanup_timeout: float = CLEANUP_TIMEOUT,
 ) -> AsyncIterator[list[VLLMWorker]]:
     """Connect to a ``vllm.LLM``; yields one :class:`VLLMWorker` per rank.
 

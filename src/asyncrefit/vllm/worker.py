@@ -14,7 +14,9 @@ out of the trainer's buffer, drops every view of it, and feeds the tensors, unde
 checkpoint (Hugging Face) names, to the model's ``load_weights`` inside vLLM's
 layerwise reload (``start_weight_update`` .. ``finish_weight_update``), which repacks
 fused parameters (``qkv_proj``, ``gate_up_proj``) as a fresh load would, and can be
-repeated for the engine's whole life.
+repeated for the engine's whole life. Layers that received nothing but share tensors
+with written ones (a tied ``lm_head``) have their post-load processing re-run after the
+reload (see :mod:`asyncrefit.vllm._reload`), or the commit fails.
 
 This module imports torch and vLLM: only vLLM worker processes import it.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +62,7 @@ from .._messages import (
 from .._plan import ParamSpec
 from .._receiver import UpdateStateError, VersionState, check_layout
 from ..transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
+from . import _reload
 from ._wire import BACKEND, Aborted, BlockingChannel, Hello
 
 logger = logging.getLogger(__name__)
@@ -149,6 +153,14 @@ def _no_mtp_check() -> Iterator[None]:
         yield
 
 
+@dataclass
+class _Faults:
+    """Faults to inject, each once (see :meth:`RefitWorkerExtension.asyncrefit_inject_faults`)."""
+
+    fail_finalize: bool = False
+    abort_delay: float = 0.0
+
+
 class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     WeightTransferEngine[ChannelInitInfo, ChannelTrigger]
 ):
@@ -173,6 +185,11 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     (``verify=True``), is refused before any of its bytes reach the model.
     Aborting a session whose layers were partly loaded restores the layers that had
     not received all their tensors; the worker then holds no complete version.
+    A commit is refused (:class:`~asyncrefit.StaleWeightsError`) when a layer that
+    received nothing shares tensors with a written one and its post-load processing
+    cannot be re-run (see :mod:`asyncrefit.vllm._reload`); one that can is re-run after
+    the reload is finalized. If finalizing fails, the layers it did not reach get their
+    previous tensors back and the version stays incomplete (an abort reports it written).
     """
 
     init_info_cls = ChannelInitInfo
@@ -189,6 +206,8 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         self._state = VersionState()
         self._reloading = False
         self._commit: tuple[int, int] | None = None
+        self._shared: list[_reload.SharedLayer] = []
+        self._faults = _Faults()
 
     def __repr__(self) -> str:
         return (
@@ -214,6 +233,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._commit = None
+        self._shared = []
         self._end_abandoned_reload()
         initialize_layerwise_reload(self.model)
         self._reloading = True
@@ -233,6 +253,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         hand) the session ends as an abort.
         """
         commit, self._commit = self._commit, None
+        shared, self._shared = self._shared, []
         if not self._reloading:
             return  # aborted already: the layers were restored then
         if commit is None:
@@ -242,9 +263,15 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
 
         self._reloading = False
         try:
+            if self._faults.fail_finalize:
+                self._faults.fail_finalize = False
+                raise RuntimeError("injected fault: finalize_layerwise_reload failed")
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+            _reload.refresh(shared)
         except BaseException:
-            self._state.abort(commit[0])
+            _reload.restore_unfinished(self.model)
+            # The version stays pending and written: no complete version here, and
+            # the abort that follows reports bytes written (the engine is relabelled).
             raise
         self._state.commit(*commit)
 
@@ -304,9 +331,17 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                             f"version {v} committed with {len(self._state.loaded)} of {n} "
                             "buckets loaded"
                         )
+                    # Layers that share tensors with written ones must be renewed
+                    # after the finalize: refuse now if one of them cannot be.
+                    found = _reload.review(self.model)
+                    _reload.check(found)
+                    self._shared = list(found.shared)
                     self._commit = (v, n)
                     return Done()
                 case AbortUpdate(version=v):
+                    if self._faults.abort_delay > 0:
+                        delay, self._faults.abort_delay = self._faults.abort_delay, 0.0
+                        time.sleep(delay)
                     self._commit = None
                     written = self._state.pending == v and self._state.dirty
                     if self._reloading:
@@ -356,8 +391,6 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         return importer
 
     def _load(self, request: LoadBucket) -> BucketAck:
-        import time
-
         start = time.perf_counter()
         self._state.check_loading(request.version)
         if not self._reloading:
@@ -403,6 +436,8 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, layerwise
 
         self._reloading = False
+        self._shared = []
+        shared = _reload.review(self.model).shared
         restore = getattr(layerwise, "_place_kernel_tensors", None)
         for layer in self.model.modules():
             info = layerwise.get_layerwise_info(layer)
@@ -414,7 +449,13 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
             if partial and restore is not None:
                 restore(layer, info)
                 info.reset()  # type: ignore[no-untyped-call, unused-ignore]
-        finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+        except BaseException:
+            _reload.restore_unfinished(self.model)
+            raise
+        # Whatever was written stays: layers sharing it must not serve older copies.
+        _reload.refresh(shared, strict=False)
 
     def _end_abandoned_reload(self) -> None:
         if self._state.pending is not None:
@@ -437,13 +478,13 @@ class RefitWorkerExtension:
     """vLLM's ``worker_extension_cls`` for asyncrefit: RPCs outside weight updates.
 
     vLLM mixes this class into its worker class, so ``self`` is the vLLM worker. Its
-    one method serves a request of the channel (device id, parameter specs, version,
-    releasing handles) through ``collective_rpc``; loads go through vLLM's own
-    ``update_weights``. Subclass it to add methods of your own.
+    method :meth:`asyncrefit_serve` serves a request of the channel (device id,
+    parameter specs, version, releasing handles) through ``collective_rpc``; loads go
+    through vLLM's own ``update_weights``. :meth:`asyncrefit_inject_faults` is for
+    tests and drills. Subclass it to add methods of your own.
     """
 
-    def asyncrefit_serve(self, request_id: int) -> None:
-        """Serve request ``request_id`` from this worker's asyncrefit channel."""
+    def _asyncrefit_engine(self) -> ChannelWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, ChannelWeightTransferEngine):
             raise AsyncRefitError(
@@ -451,7 +492,25 @@ class RefitWorkerExtension:
                 f"engine (weight_transfer_config backend {BACKEND!r}); "
                 "pass asyncrefit.vllm.engine_args()"
             )
-        engine.serve(request_id)
+        return engine
+
+    def asyncrefit_serve(self, request_id: int) -> None:
+        """Serve request ``request_id`` from this worker's asyncrefit channel."""
+        self._asyncrefit_engine().serve(request_id)
+
+    def asyncrefit_inject_faults(
+        self, *, fail_finalize: bool = False, abort_delay: float = 0.0
+    ) -> None:
+        """For tests and drills: make this worker fail on cue, each fault once.
+
+        ``fail_finalize``: the next ``finish_weight_update`` after a commit raises where
+        vLLM's ``finalize_layerwise_reload`` would run, as if it had failed.
+        ``abort_delay``: the next abort request is answered only after this many
+        seconds (the worker blocks, as in a slow load).
+        Call it through ``collective_rpc("asyncrefit_inject_faults", kwargs=...)``.
+        """
+        engine = self._asyncrefit_engine()
+        engine._faults = _Faults(fail_finalize=fail_finalize, abort_delay=abort_delay)
 
 
 def register() -> None:

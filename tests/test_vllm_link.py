@@ -1,0 +1,449 @@
+"""The coordinator's side of a vLLM engine, against a fake engine (no vLLM needed).
+
+:class:`FakeEngine` stands in for an ``AsyncLLM``: its calls (pause, start, the
+triggers, finish, resume, ...) run one at a time, in the order they were made, on the
+engine's own task, and a caller that stops waiting does not stop a call (as vLLM's
+engine core runs utility calls). Each rank is a fake worker on the link's channel that
+answers the requests written for it. The tests break the engine at chosen points and
+check that generation is resumed on every path, that vLLM's weight update is ended
+before it is, and that errors name the rank that failed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from anyio.abc import SocketStream
+
+from asyncrefit import (
+    DeviceId,
+    LocalTrainer,
+    PeerWorkerError,
+    PushError,
+    RefitCoordinator,
+    WorkerDiedError,
+    WorkerIntegrityError,
+    WorkerRemoteError,
+    WorkerTimeoutError,
+    local_node_id,
+)
+from asyncrefit._exceptions import primary_error
+from asyncrefit._messages import (
+    AbortUpdate,
+    BeginUpdate,
+    BucketAck,
+    CommitUpdate,
+    DeviceReply,
+    Done,
+    GetSpecs,
+    GetVersion,
+    LoadBucket,
+    ReleaseHandles,
+    ReportDevice,
+    SpecsReply,
+    VersionReply,
+)
+from asyncrefit._plan import ParamSpec
+from asyncrefit.local._framing import FrameReader
+from asyncrefit.transport._base import dtype_name
+from asyncrefit.vllm import VLLMWorker
+from asyncrefit.vllm._link import _connected, _EngineLink, _translate
+from asyncrefit.vllm._wire import BACKEND, EXTENSION, Aborted, Hello, pack, unpack
+
+pytestmark = pytest.mark.timeout(30)
+
+Hook = Callable[[], Awaitable[None]]
+
+
+class FakeWorker:
+    """One rank: answers the requests of its channel; ``before`` runs a hook first."""
+
+    def __init__(self, rank: int, specs: tuple[ParamSpec, ...]) -> None:
+        self.rank = rank
+        self.specs = specs
+        self.stream: SocketStream | None = None
+        self.reader: FrameReader | None = None
+        self.seen: list[str] = []
+        self.before: dict[str, Hook] = {}
+        self.version: int | None = None
+        self.pending: int | None = None
+
+    async def connect(self, path: str) -> None:
+        self.stream = await anyio.connect_unix(path)
+        self.reader = FrameReader(self.stream)
+        await self.stream.send(pack(0, Hello(rank=self.rank, pid=os.getpid())))
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+            self.stream = None
+
+    async def handle(self, request_id: int) -> None:
+        if self.stream is None or self.reader is None:
+            return  # no channel: a real worker logs it and returns
+        while True:
+            got, request = unpack(await self.reader.receive())
+            if got == request_id:
+                break
+        kind = type(request).__name__
+        self.seen.append(kind)
+        hook = self.before.pop(kind, None)
+        if hook is not None:
+            await hook()
+        if self.stream is None:
+            return
+        await self.stream.send(pack(request_id, self.reply(request)))
+
+    def reply(self, request: object) -> object:
+        match request:
+            case ReportDevice():
+                return DeviceReply(device=DeviceId(node=local_node_id(), device=f"cpu:{self.rank}"))
+            case GetSpecs():
+                return SpecsReply(specs=self.specs)
+            case BeginUpdate(version=v):
+                self.pending = v
+                return Done()
+            case LoadBucket(bucket=b, handles=handles):
+                self.version = None
+                nbytes = sum(e.nbytes for e in handles[0].entries) if handles else 0
+                return BucketAck(bucket=b, nbytes=nbytes, seconds=0.0)
+            case CommitUpdate(version=v):
+                self.version, self.pending = v, None
+                return Done()
+            case AbortUpdate():
+                written = self.pending is not None and self.version is None
+                self.pending = None
+                return Aborted(version=self.version, written=written)
+            case GetVersion():
+                return VersionReply(version=self.version)
+            case ReleaseHandles():
+                return Done()
+        raise AssertionError(f"unexpected request {request!r}")
+
+
+@dataclass
+class _Job:
+    name: str
+    run: Hook
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: Exception | None = None
+
+
+class FakeEngine:
+    """An ``_EngineOps`` whose calls the engine's task runs in order, to their end."""
+
+    def __init__(self, world: int, specs: tuple[ParamSpec, ...] = ()) -> None:
+        parallel = SimpleNamespace(
+            worker_extension_cls=EXTENSION, world_size=world, data_parallel_size=1
+        )
+        self.vllm_config = SimpleNamespace(
+            weight_transfer_config=SimpleNamespace(backend=BACKEND), parallel_config=parallel
+        )
+        self.workers = [FakeWorker(r, specs) for r in range(world)]
+        self.calls: list[str] = []
+        self.paused = False
+        self.session = False
+        self.label: str | None = None
+        self.fail: dict[str, int] = {}  # call name -> how many times it fails
+        self.before: dict[str, Hook] = {}  # call name -> run first (once)
+        self._send, self._receive = anyio.create_memory_object_stream[_Job](100)
+
+    async def run(self) -> None:
+        async with self._receive:
+            async for job in self._receive:
+                try:
+                    hook = self.before.pop(job.name, None)
+                    if hook is not None:
+                        await hook()
+                    if self.fail.get(job.name, 0) > 0:
+                        self.fail[job.name] -= 1
+                        raise RuntimeError(f"{job.name} failed (injected)")
+                    await job.run()
+                except Exception as exc:
+                    job.error = exc
+                finally:
+                    job.done.set()
+
+    async def _call(self, name: str, run: Hook) -> None:
+        self.calls.append(name)
+        job = _Job(name, run)
+        await self._send.send(job)
+        await job.done.wait()  # cancelling this wait does not stop the job
+        if job.error is not None:
+            raise job.error
+
+    async def drain(self) -> None:
+        """Wait until the engine has run every call made so far."""
+        job = _Job("drain", anyio.lowlevel.checkpoint)
+        await self._send.send(job)
+        await job.done.wait()
+
+    async def _all(self, request_id: int) -> None:
+        async with anyio.create_task_group() as tg:
+            for w in self.workers:
+                tg.start_soon(w.handle, request_id)
+
+    async def serve(self, request_id: int) -> None:
+        await self._call("serve", lambda: self._all(request_id))
+
+    async def update(self, request_id: int) -> None:
+        async def run() -> None:
+            assert self.session, "update_weights outside a weight update"
+            await self._all(request_id)
+
+        await self._call("update", run)
+
+    async def start(self) -> None:
+        async def run() -> None:
+            assert not self.session, "a weight update is already active"
+            self.session = True
+
+        await self._call("start", run)
+
+    async def finish(self, label: str | None) -> None:
+        async def run() -> None:
+            if not self.session:
+                raise RuntimeError("finish_weight_update without start_weight_update")
+            self.session = False
+            if label is not None:
+                self.label = label
+
+        await self._call(f"finish:{label}", run)
+
+    async def set_label(self, label: str) -> None:
+        async def run() -> None:
+            self.label = label
+
+        await self._call(f"label:{label}", run)
+
+    async def init(self, channel: str, read_timeout: float) -> None:
+        for w in self.workers:
+            await w.connect(channel)
+
+    async def shutdown(self) -> None:
+        async def run() -> None:
+            for w in self.workers:
+                await w.close()
+
+        await self._call("shutdown", run)
+
+    async def pause(self) -> None:
+        async def run() -> None:
+            self.paused = True
+
+        await self._call("pause", run)
+
+    async def resume(self) -> None:
+        async def run() -> None:
+            assert not self.session, "generation resumed inside a weight update"
+            self.paused = False
+
+        await self._call("resume", run)
+
+
+@asynccontextmanager
+async def engine_link(
+    world: int = 1, cleanup: float = 5.0, specs: tuple[ParamSpec, ...] = ()
+) -> AsyncIterator[tuple[FakeEngine, list[VLLMWorker]]]:
+    engine = FakeEngine(world, specs)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            try:
+                link = _EngineLink(engine, "vllm", rpc_timeout=5.0, cleanup=cleanup)
+                async with _connected(link) as workers:
+                    yield engine, workers
+            finally:
+                engine._send.close()  # the engine's task ends once its queue is empty
+    finally:
+        engine._receive.close()
+        for w in engine.workers:
+            await w.close()
+
+
+async def each(
+    workers: list[VLLMWorker], step: Callable[[VLLMWorker], Coroutine[Any, Any, Any]]
+) -> None:
+    """Run one step on every rank at once, as the coordinator does."""
+    async with anyio.create_task_group() as tg:
+        for w in workers:
+            tg.start_soon(step, w)
+
+
+async def begin_and_load(workers: list[VLLMWorker], version: int) -> None:
+    await each(workers, lambda w: w.begin_update(version))
+    await each(workers, lambda w: w.load_bucket(version, 0, ()))
+
+
+def after(calls: list[str], first: str) -> list[str]:
+    return calls[len(calls) - calls[::-1].index(first) - 1 :]
+
+
+# --- generation is resumed on every path, after vLLM's update has ended ------------
+
+
+async def test_an_abort_cut_short_by_its_caller_still_ends_the_update_and_resumes() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        engine.workers[0].before["AbortUpdate"] = lambda: anyio.sleep(0.5)
+        with anyio.move_on_after(0.05):  # the coordinator's cleanup deadline
+            await workers[0].abort_update(1)
+        assert after(engine.calls, "serve") == [
+            "serve",
+            "finish:None",
+            "label:incomplete-1",
+            "resume",
+        ]
+        assert not engine.paused and not engine.session
+        assert engine.label == "incomplete-1"
+
+
+async def test_an_unanswered_abort_is_bounded_and_asked_again() -> None:
+    async with engine_link(cleanup=0.3) as (engine, workers):
+        await begin_and_load(workers, 1)
+        engine.workers[0].before["AbortUpdate"] = lambda: anyio.sleep(1.0)
+        start = anyio.current_time()
+        with pytest.raises(WorkerTimeoutError, match=r"no answer within 0\.3 s"):
+            await workers[0].abort_update(1)
+        # finish and resume were queued behind the abort, each waited for at most 0.3 s
+        assert anyio.current_time() - start < 1.5
+        assert after(engine.calls, "serve")[:2] == ["serve", "finish:None"]
+        await engine.drain()  # the engine got to them, in order
+        assert not engine.paused and not engine.session
+        await workers[0].abort_update(1)  # asks again, and is answered now
+        assert engine.workers[0].seen.count("AbortUpdate") == 2
+        await each(workers, lambda w: w.begin_update(2))  # the next push may begin
+
+
+async def test_a_resume_that_fails_at_commit_fails_it_and_the_abort_resumes() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        engine.fail["resume"] = 1
+        with pytest.raises(WorkerRemoteError, match="version 1 is in, but resuming generation"):
+            await workers[0].commit_update(1, 1)
+        assert engine.paused and engine.label == "1"
+        await workers[0].abort_update(1)  # as the coordinator does after a failed commit
+        assert not engine.paused
+        assert engine.label == "1"  # the weights were committed: not relabelled
+
+
+async def test_a_resume_that_fails_at_abort_is_retried_on_close() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        engine.fail["resume"] = 2
+        await workers[0].abort_update(1)  # logged, still paused
+        assert engine.paused
+        await workers[0].abort_update(1)  # retried, fails again
+        assert engine.paused
+    assert not engine.paused  # leaving the connection resumed it
+    assert engine.calls.count("resume") == 3
+
+
+async def test_a_begin_cancelled_while_starting_is_ended_before_generation_resumes() -> None:
+    async with engine_link() as (engine, workers):
+        engine.before["start"] = lambda: anyio.sleep(0.3)
+        with anyio.move_on_after(0.05):
+            await workers[0].begin_update(1)
+        await workers[0].abort_update(1)
+        assert after(engine.calls, "pause") == ["pause", "start", "serve", "finish:None", "resume"]
+        assert not engine.paused and not engine.session
+
+
+async def test_a_failed_finish_relabels_the_engine_incomplete() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        await workers[0].commit_update(1, 1)
+        engine.label = "1"
+        await begin_and_load(workers, 2)
+        engine.fail["finish:2"] = 1
+        with pytest.raises(WorkerRemoteError, match="finish:2 failed"):
+            await workers[0].commit_update(2, 1)
+        engine.session = True  # vLLM's update stays open when its finish raised
+        await workers[0].abort_update(2)
+        assert engine.label == "incomplete-2"
+        assert not engine.paused and not engine.session
+
+
+# --- errors name the rank that failed ----------------------------------------------
+
+
+async def test_a_peer_rank_that_dies_is_named_by_the_other_ranks_error() -> None:
+    async with engine_link(world=2) as (engine, workers):
+        await each(workers, lambda w: w.begin_update(1))
+        engine.workers[1].before["LoadBucket"] = engine.workers[1].close
+        errors: dict[str, Exception] = {}
+
+        async def load(w: VLLMWorker) -> None:
+            try:
+                await w.load_bucket(1, 0, ())
+            except Exception as exc:
+                errors[w.name] = exc
+
+        await each(workers, load)
+        died, peer = errors["vllm/rank-1"], errors["vllm/rank-0"]
+        assert isinstance(died, WorkerDiedError) and died.worker == "vllm/rank-1"
+        assert isinstance(peer, PeerWorkerError) and not isinstance(peer, WorkerDiedError)
+        assert peer.worker == "vllm/rank-0" and peer.peer == "vllm/rank-1"
+        assert peer.peer_error == "WorkerDiedError"
+        assert "rank 1 closed its channel" in str(peer)
+
+
+async def test_a_push_that_fails_at_one_rank_names_that_rank() -> None:
+    tensors = {"w": torch.zeros(64), "b": torch.ones(8)}
+    specs = tuple(
+        ParamSpec(name=n, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+        for n, t in sorted(tensors.items())
+    )
+    async with engine_link(world=2, specs=specs) as (engine, workers):
+        trainer = LocalTrainer(tensors)
+        async with RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=4096) as refit:
+            await refit.push(1)
+            engine.workers[1].before["LoadBucket"] = engine.workers[1].close
+            with pytest.raises(PushError) as info:
+                await refit.push(2)
+        assert info.value.failed == "vllm/rank-1"
+        assert isinstance(info.value.cause, WorkerDiedError)
+        assert info.value.cause.worker == "vllm/rank-1"
+        assert not engine.paused
+
+
+def test_translate_names_the_rank_that_failed() -> None:
+    ranks = ["vllm/rank-0", "vllm/rank-1"]
+    died = WorkerDiedError("vllm/rank-1", "rank 1 closed its channel")
+    peer = _translate(died, "vllm/rank-0", ranks)
+    assert isinstance(peer, PeerWorkerError)
+    assert (peer.worker, peer.peer, peer.peer_error) == (
+        "vllm/rank-0",
+        "vllm/rank-1",
+        "WorkerDiedError",
+    )
+    assert str(peer) == (
+        "worker 'vllm/rank-0': its peer 'vllm/rank-1' failed: WorkerDiedError: "
+        "rank 1 closed its channel"
+    )
+    own = _translate(died, "vllm/rank-1", ranks)
+    assert type(own) is WorkerDiedError and own.worker == "vllm/rank-1"
+    # a peer's report, asked again for the rank that failed, is that rank's error
+    back = _translate(peer, "vllm/rank-1", ranks)
+    assert isinstance(back, WorkerRemoteError) and back.remote_type == "WorkerDiedError"
+    # the engine's own errors (its link is dead) are every rank's
+    dead = _translate(WorkerDiedError("vllm", "rank 1 closed its channel"), "vllm/rank-0", ranks)
+    assert type(dead) is WorkerDiedError and dead.worker == "vllm/rank-0"
+    assert "rank 1" in str(dead)
+    integrity = WorkerIntegrityError("vllm/rank-0", "IntegrityError", "bucket 3: checksum")
+    assert type(_translate(integrity, "vllm/rank-0", ranks)) is WorkerIntegrityError
+
+
+async def test_a_push_error_prefers_the_failed_worker_over_its_peers_report() -> None:
+    died = WorkerDiedError("vllm/rank-1", "rank 1 closed its channel")
+    peer = PeerWorkerError("vllm/rank-0", "vllm/rank-1", "WorkerDiedError", died.detail)
+    assert primary_error(ExceptionGroup("push", [peer, died])) is died
+    assert primary_error(ExceptionGroup("push", [peer, RuntimeError("x")])) is peer
