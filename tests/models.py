@@ -27,3 +27,23 @@ def make_mixed() -> torch.nn.Module:
     m.empty = torch.nn.Parameter(torch.empty(0, 4))
     m.d = torch.nn.Parameter(torch.randn(3).double())
     return m
+
+
+def make_mlp_bf16() -> torch.nn.Module:
+    """:func:`make_mlp` held in bfloat16: an engine fed from fp32 master weights."""
+    return make_mlp().to(torch.bfloat16)
+
+
+class ValueHeadPolicy(torch.nn.Module):
+    """A PPO-style trainer model: the policy under wrapper prefixes, plus a value head.
+
+    Its parameters are named ``module._orig_mod.0.weight`` (DDP around
+    ``torch.compile``) and ``v_head.weight``; the engine holds only :func:`make_mlp`'s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner = torch.nn.Module()
+        inner._orig_mod = make_mlp()
+        self.module = inner
+        self.v_head = torch.nn.Linear(64, 1)

@@ -35,6 +35,9 @@ from ._exceptions import WorkerRemoteError as WorkerRemoteError
 from ._exceptions import WorkerStaleWeightsError as WorkerStaleWeightsError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
 from ._messages import BucketAck as BucketAck
+from ._names import WRAPPER_PREFIXES as WRAPPER_PREFIXES
+from ._names import NameMap as NameMap
+from ._names import strip_wrappers as strip_wrappers
 from ._plan import Bucket as Bucket
 from ._plan import ParamSpec as ParamSpec
 from ._plan import Plan as Plan
@@ -68,6 +71,7 @@ __all__ = (
     "DuplicateWorkerError",
     "IntegrityError",
     "LocalTrainer",
+    "NameMap",
     "PackError",
     "ParamSpec",
     "ParameterMismatchError",
@@ -90,6 +94,7 @@ __all__ = (
     "UnknownWorkerError",
     "VersionError",
     "VersionState",
+    "WRAPPER_PREFIXES",
     "Worker",
     "WorkerDiedError",
     "WorkerError",
@@ -102,5 +107,6 @@ __all__ = (
     "cpu_device",
     "local_node_id",
     "plan_buckets",
+    "strip_wrappers",
     "validate_worker",
 )

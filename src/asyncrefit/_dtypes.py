@@ -69,3 +69,31 @@ def dtype_itemsize(name: str) -> int:
             "are not in its bytes"
         )
     return int(dtype.itemsize)
+
+
+#: Floating-point dtypes a pack may cast between (``Tensor.copy_`` converts them):
+#: fp32 master weights into a bf16 or fp16 engine, and the like. Packed and exponent-
+#: only formats (``float4_e2m1fn_x2``, ``float8_e8m0fnu``) need scales a plain cast
+#: does not make, so they are sent only as they are.
+CASTABLE_FLOATS = frozenset(
+    {
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    }
+)
+
+
+def castable(source: str, target: str) -> bool:
+    """Whether a trainer tensor of dtype ``source`` may be packed as ``target``.
+
+    Always for the same dtype; otherwise only between the floating-point dtypes of
+    :data:`CASTABLE_FLOATS` (never integer to float, float to integer, or to and from
+    booleans, complex or packed formats, where a cast would change what the values mean).
+    """
+    return source == target or (source in CASTABLE_FLOATS and target in CASTABLE_FLOATS)

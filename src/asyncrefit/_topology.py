@@ -15,7 +15,13 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from ._device import DeviceId
-from ._exceptions import BudgetTooSmallError, PlanError, UnknownDeviceError
+from ._dtypes import castable
+from ._exceptions import (
+    BudgetTooSmallError,
+    ParameterMismatchError,
+    PlanError,
+    UnknownDeviceError,
+)
 from ._ledger import Member
 from ._plan import ParamSpec, Plan, plan_buckets, validate_worker
 from ._worker import SourceInfo
@@ -30,10 +36,6 @@ class Topology:
     slots: int
     slot_bytes: int
     routes: Mapping[Member, int]  # the index of the source serving each member
-
-    @property
-    def specs(self) -> tuple[ParamSpec, ...]:
-        return self.infos[0].specs
 
     @property
     def used_sources(self) -> tuple[int, ...]:
@@ -72,6 +74,38 @@ def route(infos: Sequence[SourceInfo], member: Member) -> int:
     )
 
 
+def wire_specs(trainer: Sequence[ParamSpec], members: Iterable[Member]) -> tuple[ParamSpec, ...]:
+    """The trainer's parameters in the dtypes the workers hold them in: what is sent.
+
+    A parameter no worker declares keeps the trainer's dtype (validation then finds the
+    worker that lacks it). Raises :class:`ParameterMismatchError` if two workers hold a
+    parameter in different dtypes, or if the trainer's dtype cannot be cast to the
+    workers' (see :func:`~asyncrefit._dtypes.castable`).
+    """
+    held: dict[str, tuple[str, str]] = {}  # name -> (dtype, the first worker holding it)
+    for member in members:
+        for spec in member.specs:
+            first = held.setdefault(spec.name, (spec.dtype, member.name))
+            if first[0] != spec.dtype:
+                raise ParameterMismatchError(
+                    member.name,
+                    spec.name,
+                    f"dtype {spec.dtype} on the worker, {first[0]} on worker {first[1]!r}",
+                )
+    wire = []
+    for spec in trainer:
+        dtype, worker = held.get(spec.name, (spec.dtype, ""))
+        if not castable(spec.dtype, dtype):
+            raise ParameterMismatchError(
+                worker,
+                spec.name,
+                f"dtype {dtype} on the worker cannot be packed from {spec.dtype} on the "
+                "trainer (only floating-point dtypes are cast)",
+            )
+        wire.append(spec if dtype == spec.dtype else replace(spec, dtype=dtype))
+    return tuple(wire)
+
+
 def plan_topology(
     infos: Sequence[SourceInfo],
     members: Iterable[Member],
@@ -82,9 +116,12 @@ def plan_topology(
 ) -> Topology:
     """Plan buckets and slots for ``infos`` and route and validate every member.
 
-    Raises :class:`PlanError` (sources disagree, budget too small, a worker's
-    parameters do not match) or :class:`UnknownDeviceError`; pure.
+    The plan is in the workers' dtypes (:func:`wire_specs`): a trainer holding fp32
+    master weights packs them cast to a bf16 engine's dtype. Raises :class:`PlanError`
+    (sources disagree, budget too small, a worker's parameters do not match or cannot
+    be cast to) or :class:`UnknownDeviceError`; pure.
     """
+    members = list(members)
     if not infos:
         raise PlanError("there is no trainer source")
     specs = infos[0].specs
@@ -93,7 +130,7 @@ def plan_topology(
             raise PlanError(
                 f"trainer sources {infos[0].name!r} and {info.name!r} hold different parameter sets"
             )
-    plan = plan_buckets(specs, bucket_bytes, alignment=alignment)
+    plan = plan_buckets(wire_specs(specs, members), bucket_bytes, alignment=alignment)
     slot_bytes = max(1, plan.max_bucket_bytes)
     if slot_bytes > budget_bytes:
         largest = max(plan.buckets, key=lambda b: b.nbytes)

@@ -21,6 +21,7 @@ from ._checksum import checksum
 from ._device import DeviceId, local_node_id
 from ._dtypes import dtype_name, torch_dtype
 from ._exceptions import ClosedError, PackError
+from ._names import as_name_map, engine_named
 from ._plan import ParamSpec
 from ._worker import SourceInfo
 from .transport._base import Exporter, Handle
@@ -36,10 +37,25 @@ logger = logging.getLogger(__name__)
 TensorsLike: TypeAlias = (
     "torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]"
 )
+#: Trainer name to engine name, or ``None`` to leave a parameter out (see NameMap).
+NamesLike: TypeAlias = Callable[[str], "str | None"]
+
+
+def _reader(parameters: TensorsLike) -> Callable[[], Mapping[str, torch.Tensor]]:
+    """A callable reading the trainer's tensors, by the trainer's names."""
+    import torch
+
+    if isinstance(parameters, torch.nn.Module):
+        module = parameters
+        return lambda: dict(module.named_parameters())
+    if isinstance(parameters, Mapping):
+        mapping = parameters
+        return lambda: mapping
+    return parameters
 
 
 class _InProcessSource:
-    """What both in-process sources share: reading the tensors, describing them."""
+    """What in-process sources share: reading the tensors, naming and describing them."""
 
     def __init__(
         self,
@@ -48,19 +64,16 @@ class _InProcessSource:
         devices: Iterable[DeviceId | str] | None,
         node: str | None,
         name: str,
+        names: NamesLike | None = None,
     ) -> None:
-        import torch
 
-        if isinstance(parameters, torch.nn.Module):
-            module = parameters
-            self._tensors: Callable[[], Mapping[str, torch.Tensor]] = lambda: dict(
-                module.named_parameters()
-            )
-        elif isinstance(parameters, Mapping):
-            mapping = parameters
-            self._tensors = lambda: mapping
-        else:
-            self._tensors = parameters
+        trainer_named = _reader(parameters)
+        names_map = as_name_map(names)
+
+        def engine_tensors() -> Mapping[str, torch.Tensor]:
+            return engine_named(trainer_named(), names_map, source=name)
+
+        self._tensors = engine_tensors
         self._node = node if node is not None else local_node_id()
         self._devices = (
             None
@@ -76,6 +89,7 @@ class _InProcessSource:
         # The tensors as read by the last describe (the start of a push): walking a
         # module's parameters for every bucket would cost more than packing small ones.
         self._current: Mapping[str, torch.Tensor] | None = None
+        self._described: dict[str, ParamSpec] = {}
 
     def specs(self) -> tuple[ParamSpec, ...]:
         """The current parameters' names, shapes and dtypes, in order."""
@@ -95,12 +109,9 @@ class _InProcessSource:
     async def describe(self) -> SourceInfo:
         """Read the parameters afresh (the coordinator calls this at every push)."""
         self._current = dict(self._tensors())
-        return SourceInfo(
-            name=self._name,
-            node=self._node,
-            devices=self._devices,
-            specs=self._specs(self._current),
-        )
+        specs = self._specs(self._current)
+        self._described = {s.name: s for s in specs}
+        return SourceInfo(name=self._name, node=self._node, devices=self._devices, specs=specs)
 
     async def _close_in_thread(self, close: Callable[[], None]) -> None:
         """Run ``close`` off the event loop, after any pack still running; wait for it.
@@ -143,18 +154,23 @@ class _InProcessSource:
     def _tensor(
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
-        """The tensor of ``entry``, still of the planned shape and dtype."""
+        """The tensor of ``entry``, still of the shape and dtype it was described with.
+
+        The entry's dtype is the engine's; the tensor's may differ (the pack casts).
+        """
         tensor = tensors.get(entry.name)
         if tensor is None:
             raise PackError(self._name, bucket, entry.name, "disappeared from the trainer")
         got = (tuple(tensor.shape), dtype_name(tensor.dtype))
-        if got != (entry.shape, entry.dtype):
+        described = self._described.get(entry.name)
+        want_dtype = described.dtype if described is not None else entry.dtype
+        if got != (entry.shape, want_dtype):
             raise PackError(
                 self._name,
                 bucket,
                 entry.name,
                 f"changed shape or dtype mid-push: {got[1]}{list(got[0])} now, "
-                f"{entry.dtype}{list(entry.shape)} planned",
+                f"{want_dtype}{list(entry.shape)} planned",
             )
         return tensor
 
@@ -179,7 +195,12 @@ class LocalTrainer(_InProcessSource):
     optimizer while a push is running.
 
     ``exporter`` picks the transport (shared memory by default). ``devices`` restricts
-    the devices served (default: every device on this node).
+    the devices served (default: every device on this node). ``names`` maps the
+    trainer's parameter names to the engine's, or leaves a parameter out (a
+    :class:`~asyncrefit.NameMap`, e.g. :func:`~asyncrefit.strip_wrappers`, or any
+    callable returning a name or ``None``). Parameters are packed in the dtype the
+    workers hold them in, cast in the pack copy (fp32 master weights to a bf16
+    engine); only floating-point dtypes are cast.
 
     Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
     (also on every error path of the coordinator that owns this source); a source can
@@ -198,8 +219,9 @@ class LocalTrainer(_InProcessSource):
         devices: Iterable[DeviceId | str] | None = None,
         node: str | None = None,
         name: str = "trainer",
+        names: NamesLike | None = None,
     ) -> None:
-        super().__init__(parameters, devices=devices, node=node, name=name)
+        super().__init__(parameters, devices=devices, node=node, name=name, names=names)
         if exporter is None:
             from .transport.shm import SharedMemoryExporter
 
@@ -279,6 +301,9 @@ class SharedParameterTrainer(_InProcessSource):
     parameter that is not laid out row-major (a transposed or ``channels_last`` weight)
     keeps its own memory and is copied into its segment at every push.
 
+    ``names`` maps parameter names as for :class:`LocalTrainer`. A parameter the
+    engine holds in another dtype is cast into its segment at every push.
+
     Workers read the parameters while a push runs: do not step the optimizer then (the
     push returns only after every worker acknowledged). A worker that hangs past the
     coordinator's timeout may still be reading when the next step runs; it is reported
@@ -301,8 +326,9 @@ class SharedParameterTrainer(_InProcessSource):
         devices: Iterable[DeviceId | str] | None = None,
         node: str | None = None,
         name: str = "trainer",
+        names: NamesLike | None = None,
     ) -> None:
-        super().__init__(parameters, devices=devices, node=node, name=name)
+        super().__init__(parameters, devices=devices, node=node, name=name, names=names)
         self._token = secrets.token_hex(4)
         self._generation = 0
         self._segments: dict[int, _Segment] = {}
@@ -374,14 +400,15 @@ class SharedParameterTrainer(_InProcessSource):
                 raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
             view = base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
             view.copy_(tensor)
-            if tensor.stride() == view.stride():
+            if tensor.stride() == view.stride() and tensor.dtype == view.dtype:
                 tensor.data = view  # from now on it lives in the segment
                 self._addresses[e.name] = view.data_ptr()
             else:
-                # Workers read a bucket's bytes in row-major order, so a transposed or
-                # channels_last tensor cannot live in the segment without changing its
-                # strides under the training loop: it keeps its own memory, and its
-                # values are copied into the segment at every push instead.
+                # Workers read a bucket's bytes in row-major order and in the engine's
+                # dtype, so a transposed or channels_last tensor, or one the engine
+                # holds in another dtype, cannot live in the segment without changing
+                # under the training loop: it keeps its own memory, and its values are
+                # copied (cast) into the segment at every push instead.
                 self._addresses.pop(e.name, None)
 
     def _refresh(self, bucket: Bucket) -> int | None:
