@@ -22,6 +22,10 @@ from ._exceptions import ParameterMismatchError as ParameterMismatchError
 from ._exceptions import PeerWorkerError as PeerWorkerError
 from ._exceptions import PlanError as PlanError
 from ._exceptions import PushError as PushError
+from ._exceptions import SourceDiedError as SourceDiedError
+from ._exceptions import SourceError as SourceError
+from ._exceptions import SourceRemoteError as SourceRemoteError
+from ._exceptions import SourceTimeoutError as SourceTimeoutError
 from ._exceptions import StaleWeightsError as StaleWeightsError
 from ._exceptions import TransportError as TransportError
 from ._exceptions import UnknownDeviceError as UnknownDeviceError
@@ -83,7 +87,11 @@ __all__ = (
     "RefitCoordinator",
     "RefitReport",
     "SharedParameterTrainer",
+    "SourceDiedError",
+    "SourceError",
     "SourceInfo",
+    "SourceRemoteError",
+    "SourceTimeoutError",
     "StageTimes",
     "StaleWeightsError",
     "TensorEntry",

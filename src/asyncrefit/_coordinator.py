@@ -10,8 +10,9 @@ the I/O, and reports the outcome back.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,6 +28,7 @@ from ._exceptions import (
     PeerWorkerError,
     PlanError,
     PushError,
+    SourceTimeoutError,
     TransportError,
     WorkerDiedError,
     WorkerError,
@@ -42,7 +44,13 @@ from ._plan import DEFAULT_ALIGNMENT, Plan, check_specs
 from ._report import RefitReport, StageTimes
 from ._topology import Topology, plan_topology
 from ._trainer import LocalTrainer
-from ._worker import SourceInfo, TrainerSource, TransmittingSource, Worker
+from ._worker import (
+    PushEndingSource,
+    SourceInfo,
+    TrainerSource,
+    TransmittingSource,
+    Worker,
+)
 from .transport._base import Handle
 
 if TYPE_CHECKING:
@@ -507,6 +515,34 @@ class RefitCoordinator:
         self._ledger.check_version(version)
         if not self._ledger.members:
             raise AsyncRefitError("no workers to push to")
+        ok = False
+        try:
+            report = await self._push_described(version)
+            ok = True
+            return report
+        finally:
+            await self._end_push(version, ok)
+
+    async def _end_push(self, version: int, ok: bool) -> None:
+        """Tell the sources that want to know that the push is over (shielded, bounded)."""
+        ending = [s for s in self._sources if isinstance(s, PushEndingSource)]
+        if not ending:
+            return
+
+        async def one(source: PushEndingSource) -> None:
+            try:
+                await source.end_push(version, ok)
+            except Exception as exc:
+                logger.warning(
+                    "trainer source %r missed the end of push %s: %s", source, version, exc
+                )
+
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._cleanup_timeout):
+            async with anyio.create_task_group() as tg:
+                for source in ending:
+                    tg.start_soon(one, source)
+
+    async def _push_described(self, version: int) -> RefitReport:
         start = time.perf_counter()
         infos = await self._describe_sources()
         if self._stale or self._topology is None or tuple(infos) != self._topology.infos:
@@ -578,13 +614,28 @@ class RefitCoordinator:
                 )
         account.begin = time.perf_counter() - t
 
+        # Exports go in plan order, bucket after bucket (the pack of k+1 overlaps the
+        # loads of k): the ranks of a sharded trainer gather in the same order.
+        exported = anyio.Event()
+        exported.set()
         async with anyio.create_task_group() as tg:
             for bucket in topology.plan.buckets:
                 t = time.perf_counter()
                 await budget.acquire(topology.slot_bytes)
                 account.wait_budget += time.perf_counter() - t
                 slot = self._ledger.slots.take()
-                tg.start_soon(self._send_bucket, version, topology, members, bucket, slot, account)
+                after, exported = exported, anyio.Event()
+                tg.start_soon(
+                    self._send_bucket,
+                    version,
+                    topology,
+                    members,
+                    bucket,
+                    slot,
+                    account,
+                    after,
+                    exported,
+                )
 
         t = time.perf_counter()
         buckets = len(topology.plan.buckets)
@@ -610,8 +661,11 @@ class RefitCoordinator:
         bucket: Bucket,
         slot: int,
         account: _PushAccount,
+        after: anyio.Event,
+        exported: anyio.Event,
     ) -> None:
         try:
+            await after.wait()
             t = time.perf_counter()
             handles: dict[DeviceId, Handle] = {}
 
@@ -625,9 +679,10 @@ class RefitCoordinator:
                     )
                 handles.update(zip(devices, exported, strict=True))
 
-            async with anyio.create_task_group() as tg:
-                for source in topology.used_sources:
-                    tg.start_soon(export, source)
+            try:
+                await self._export_all(topology, bucket, export)
+            finally:
+                exported.set()
             account.pack += time.perf_counter() - t
 
             t = time.perf_counter()
@@ -652,6 +707,39 @@ class RefitCoordinator:
         finally:
             if self._ledger.slots.finish(slot):
                 self._release_slots([slot])
+
+    async def _export_all(
+        self, topology: Topology, bucket: Bucket, export: Callable[[int], Coroutine[Any, Any, None]]
+    ) -> None:
+        """Export ``bucket`` from every source the push drives, concurrently.
+
+        With the ranks of a sharded trainer among them, a bucket whose exports began
+        is seen through on every rank (shielded from cancellation, bounded by the
+        timeout): a rank left out of a gather would leave the others waiting in it.
+        """
+        if not topology.gathers:
+            async with anyio.create_task_group() as tg:
+                for source in topology.used_sources:
+                    tg.start_soon(export, source)
+            return
+        pending = set(topology.used_sources)
+
+        async def one(source: int) -> None:
+            await export(source)
+            pending.discard(source)
+
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._timeout if self._timeout is not None else math.inf):
+                async with anyio.create_task_group() as tg:
+                    for source in topology.used_sources:
+                        tg.start_soon(one, source)
+            if pending:
+                names = ", ".join(repr(topology.infos[i].name) for i in sorted(pending))
+                raise SourceTimeoutError(
+                    topology.infos[min(pending)].name,
+                    f"bucket {bucket.index} was not exported within {self._timeout} s "
+                    f"(still exporting: {names})",
+                )
 
     async def _load_one(
         self, member: Member, version: int, bucket: int, handles: tuple[Handle, ...], slot: int

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import anyio
 
@@ -230,6 +231,38 @@ class StaleWeightsError(AsyncRefitError):
         self.reason = reason
         self.sources = tuple(sources)
         super().__init__(f"layer {layer!r} would keep serving stale weights: {reason}")
+
+
+class SourceError(AsyncRefitError):
+    """A trainer source failed; ``source`` names it."""
+
+    def __init__(self, source: str, detail: str) -> None:
+        self.source = source
+        self.detail = detail
+        super().__init__(f"trainer source {source!r}: {detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.source, self.detail))
+
+
+class SourceDiedError(SourceError):
+    """A trainer source's process, actor or node went away."""
+
+
+class SourceTimeoutError(SourceError):
+    """A trainer source did not answer (or finish a bucket) within the timeout."""
+
+
+class SourceRemoteError(SourceError):
+    """A trainer source raised while handling a request; ``remote_type`` is its type."""
+
+    def __init__(self, source: str, remote_type: str, message: str) -> None:
+        self.remote_type = remote_type
+        self.remote_message = message
+        super().__init__(source, f"{remote_type}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.source, self.remote_type, self.remote_message))
 
 
 class TransportError(AsyncRefitError):

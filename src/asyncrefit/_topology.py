@@ -39,8 +39,15 @@ class Topology:
 
     @property
     def used_sources(self) -> tuple[int, ...]:
-        """The sources that serve a member (the first one when there is none)."""
-        return tuple(sorted(set(self.routes.values()))) or (0,)
+        """The sources a push drives: those serving a member (the first one when none
+        does), and every rank of a sharded trainer (its gathers need every rank)."""
+        used = set(self.routes.values()) | {i for i, info in enumerate(self.infos) if info.gathers}
+        return tuple(sorted(used)) or (0,)
+
+    @property
+    def gathers(self) -> bool:
+        """Whether some source's exports are collectives with other sources."""
+        return any(info.gathers for info in self.infos)
 
     def with_member(self, member: Member) -> Topology:
         """This topology with ``member`` routed and validated (raises as planning does)."""

@@ -57,6 +57,9 @@ def _reader(parameters: TensorsLike) -> Callable[[], Mapping[str, torch.Tensor]]
 class _InProcessSource:
     """What in-process sources share: reading the tensors, naming and describing them."""
 
+    #: Whether packing takes part in collectives with other ranks (see SourceInfo).
+    _gathers = False
+
     def __init__(
         self,
         parameters: TensorsLike,
@@ -91,6 +94,11 @@ class _InProcessSource:
         self._current: Mapping[str, torch.Tensor] | None = None
         self._described: dict[str, ParamSpec] = {}
 
+    @property
+    def name(self) -> str:
+        """This source's name (in reports and errors)."""
+        return self._name
+
     def specs(self) -> tuple[ParamSpec, ...]:
         """The current parameters' names, shapes and dtypes, in order."""
         return self._specs(self._tensors())
@@ -111,7 +119,13 @@ class _InProcessSource:
         self._current = dict(self._tensors())
         specs = self._specs(self._current)
         self._described = {s.name: s for s in specs}
-        return SourceInfo(name=self._name, node=self._node, devices=self._devices, specs=specs)
+        return SourceInfo(
+            name=self._name,
+            node=self._node,
+            devices=self._devices,
+            specs=specs,
+            gathers=self._gathers,
+        )
 
     async def _close_in_thread(self, close: Callable[[], None]) -> None:
         """Run ``close`` off the event loop, after any pack still running; wait for it.
@@ -265,11 +279,15 @@ class LocalTrainer(_InProcessSource):
                 with self._packing(bucket.index, e):
                     tensor = self._tensor(tensors, bucket.index, e)
                     dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                    dst.view(e.shape).copy_(tensor)
+                    self._copy_into(dst.view(e.shape), tensor, e.name)
                 packed.append(dst)
         self._exporter.seal(slot)
         # Over the packed bytes, not the source: what the workers will read.
         return checksum(packed) if self._checksum else None
+
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        """Write ``tensor``'s value into its place ``dst`` (cast to ``dst``'s dtype)."""
+        dst.copy_(tensor)
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]

@@ -59,6 +59,12 @@ class SourceInfo:
     names devices anywhere that the source reaches without sharing memory (by a
     collective), or is ``None`` for any device at all; the coordinator routes each
     worker to the first source that serves its device, so list sharing sources first.
+
+    ``gathers`` marks one rank of a sharded trainer: its exports take part in
+    collectives with the other ranks' sources, so the coordinator drives it through
+    every bucket, in plan order, whether or not it serves a worker, and lets a bucket's
+    exports on all such sources finish once they began (a rank left out of a gather
+    would leave the others waiting).
     """
 
     name: str
@@ -66,6 +72,7 @@ class SourceInfo:
     devices: frozenset[str] | None
     specs: tuple[ParamSpec, ...]
     remote: frozenset[DeviceId] | None = frozenset()
+    gathers: bool = False
 
     def serves(self, device: DeviceId) -> bool:
         if self.remote is None or device in self.remote:
@@ -108,3 +115,16 @@ class TransmittingSource(TrainerSource, Protocol):
     """
 
     async def transmit(self, bucket: Bucket, slot: int) -> None: ...
+
+
+@runtime_checkable
+class PushEndingSource(TrainerSource, Protocol):
+    """A source that is told when a push ends (a trainer rank in another process).
+
+    The coordinator awaits ``end_push(version, ok)`` on every such source after every
+    push that described it, whatever happened (shielded, bounded by its
+    ``cleanup_timeout``; errors are logged): a rank that serves the push returns to
+    training then.
+    """
+
+    async def end_push(self, version: int, ok: bool) -> None: ...

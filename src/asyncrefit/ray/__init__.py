@@ -20,6 +20,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("asyncrefit.ray needs Ray: pip install 'asyncrefit[ray]'") from exc
 
+from .._exceptions import SourceDiedError as SourceDiedError
+from .._exceptions import SourceError as SourceError
+from .._exceptions import SourceRemoteError as SourceRemoteError
 from ._adapt import as_source as as_source
 from ._adapt import as_worker as as_worker
 from ._adapt import as_workers as as_workers
@@ -29,9 +32,6 @@ from ._cluster import ray_device as ray_device
 from ._cluster import sweep_cluster_segments as sweep_cluster_segments
 from ._cluster import sweep_node_segments as sweep_node_segments
 from ._errors import AwaitableReturnedError as AwaitableReturnedError
-from ._errors import SourceDiedError as SourceDiedError
-from ._errors import SourceError as SourceError
-from ._errors import SourceRemoteError as SourceRemoteError
 from ._trainer import RayTrainerSource as RayTrainerSource
 from ._trainer import RefitTrainerMixin as RefitTrainerMixin
 from ._worker import RayWorker as RayWorker

@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from .._exceptions import (
-    AsyncRefitError,
+    SourceDiedError,
+    SourceError,
+    SourceRemoteError,
     WorkerDiedError,
     WorkerError,
     WorkerRemoteError,
@@ -30,34 +32,6 @@ class AwaitableReturnedError(WorkerError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Raised inside actors and pickled back by Ray: rebuild from the fields.
         return (type(self), (self.worker, self.detail))
-
-
-class SourceError(AsyncRefitError):
-    """A trainer source failed; ``source`` names it."""
-
-    def __init__(self, source: str, detail: str) -> None:
-        self.source = source
-        self.detail = detail
-        super().__init__(f"trainer source {source!r}: {detail}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.source, self.detail))
-
-
-class SourceDiedError(SourceError):
-    """A trainer source's actor (or its node) went away."""
-
-
-class SourceRemoteError(SourceError):
-    """A trainer source raised while handling a request; ``remote_type`` is its type."""
-
-    def __init__(self, source: str, remote_type: str, message: str) -> None:
-        self.remote_type = remote_type
-        self.remote_message = message
-        super().__init__(source, f"{remote_type}: {message}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.source, self.remote_type, self.remote_message))
 
 
 def _first_line(exc: BaseException) -> str:

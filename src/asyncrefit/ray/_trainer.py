@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import anyio
 
 from .._device import DeviceId
-from .._exceptions import AsyncRefitError
+from .._exceptions import AsyncRefitError, SourceDiedError, SourceError, SourceRemoteError
 from .._trainer import LocalTrainer
 from .._worker import SourceInfo
 from ..transport._base import Handle
 from ._cluster import current_node_id, sweep_node_segments
-from ._errors import SourceDiedError, SourceError, SourceRemoteError, source_errors
+from ._errors import source_errors
 from ._worker import (
     check_actor_methods,
     check_async_methods,

@@ -138,13 +138,18 @@ def _unlink(name: str) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` lives (a zombie, exited but not reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: trust the signal probe
 
 
 def sweep_stale_segments() -> list[str]:

@@ -1,0 +1,15 @@
+"""Trainer sources beyond a plain module: sharded ranks, other processes, conversions.
+
+- :class:`DTensorSource`: one rank of a sharded trainer (FSDP2, tensor parallel),
+  gathered bucket by bucket into the staging slots, cast to the engine's dtype.
+- :class:`RankServer` / :class:`RankSource`: a rank in another process serves its
+  source; the coordinator drives it through every push.
+"""
+
+from ._dtensor import DTensorSource as DTensorSource
+from ._rank import RankPush as RankPush
+from ._rank import RankServer as RankServer
+from ._rank import RankSource as RankSource
+from ._rank import rank_path as rank_path
+
+__all__ = ("DTensorSource", "RankPush", "RankServer", "RankSource", "rank_path")

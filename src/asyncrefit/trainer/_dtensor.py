@@ -1,0 +1,82 @@
+"""A sharded trainer rank as a trainer source: DTensor parameters gathered bucket by bucket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .._trainer import LocalTrainer, NamesLike, TensorsLike
+from ._gather import gather_into
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._device import DeviceId
+    from ..transport._base import Exporter
+
+
+def _default_name() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank-{dist.get_rank()}"
+    return "trainer"
+
+
+class DTensorSource(LocalTrainer):
+    """One rank of a sharded trainer (FSDP2 ``fully_shard``, tensor parallel, 2-D meshes).
+
+    Make one on every rank, over the rank's own module (or mapping of parameters):
+    parameters that are ``DTensor``\\ s (``Shard(d)`` or ``Replicate`` on any mesh
+    dimension) are described by their global shape and gathered at export time, plain
+    tensors are copied as :class:`~asyncrefit.LocalTrainer` copies them. Give the
+    coordinator every rank's source (in-process, through
+    :func:`~asyncrefit.trainer.serve_rank` / :class:`~asyncrefit.trainer.RankSource`
+    for other processes, or the Ray mixin): the coordinator then drives every rank
+    through every bucket in plan order, including ranks whose device serves no worker,
+    which is what makes the ranks' all-gathers meet.
+
+    Each bucket's parameters are gathered in plan order straight into the bucket's
+    staging slot, cast to the engine's dtype on the way (shards are cast before they
+    travel). A tensor whose layout cannot be gathered in place (uneven shards, a
+    dimension other than 0, a 2-D mesh) goes through one temporary of about its size:
+    a rank needs at most the budget plus about the largest tensor of extra memory.
+    Gathers run in a worker thread, off the event loop.
+
+    ``timeout`` bounds each collective: a rank that died or hangs mid-gather makes the
+    others fail with :class:`~asyncrefit.PackError` within it. Keep it below the
+    coordinator's ``timeout``. Other arguments are :class:`~asyncrefit.LocalTrainer`'s.
+
+    Resource handling and error handling: as :class:`~asyncrefit.LocalTrainer`; a
+    placement that cannot be gathered (``Partial``, strided shards) is a
+    :class:`~asyncrefit.PackError` naming the parameter.
+    """
+
+    _gathers = True
+
+    def __init__(
+        self,
+        parameters: TensorsLike,
+        *,
+        exporter: Exporter | None = None,
+        devices: Iterable[DeviceId | str] | None = None,
+        node: str | None = None,
+        name: str | None = None,
+        names: NamesLike | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        super().__init__(
+            parameters,
+            exporter=exporter,
+            devices=devices,
+            node=node,
+            name=name if name is not None else _default_name(),
+            names=names,
+        )
+        self._timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"<DTensorSource {self._name!r} node={self._node} exporter={self._exporter!r}>"
+
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        gather_into(tensor, dst, timeout=self._timeout, name=repr(name))

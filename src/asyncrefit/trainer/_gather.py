@@ -1,0 +1,159 @@
+"""Gathering a sharded ``DTensor`` into a bucket slot, bounded in time and memory.
+
+Every rank of the tensor's mesh takes part in each gather (all-gathers over the mesh
+dimensions that shard it), in the same order: the caller guarantees that order (the
+coordinator drives every rank's source through every bucket in plan order).
+
+What is written into the destination is the full tensor, row-major, in the
+destination's dtype. Shards are cast before they travel, so an fp32 master weight
+bound for a bf16 engine moves half the bytes. Where the layout allows (one sharded
+mesh dimension, dimension 0, shards of equal size) the all-gather writes straight
+into the destination; otherwise it goes through one temporary of about the tensor's
+size. Each collective is waited for at most ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GatherError(Exception):
+    """A gather cannot be done (an unsupported placement) or failed (a collective)."""
+
+
+def chunk_sizes(n: int, world: int) -> list[int]:
+    """The sizes ``torch.chunk`` (and so ``Shard``) cuts ``n`` rows into for ``world`` ranks."""
+    if n == 0:
+        return [0] * world
+    size = -(-n // world)
+    return [max(0, min(size, n - i * size)) for i in range(world)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Level:
+    """One mesh dimension that shards a tensor dimension, and the split it made."""
+
+    mesh_dim: int
+    dim: int
+    sizes: tuple[int, ...]  # the size along ``dim`` that each rank of the level holds
+
+
+def _levels(tensor: Any) -> list[_Level]:
+    """The sharding levels of a DTensor, outermost first (in mesh-dimension order)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise GatherError("this rank is not in the parameter's device mesh")
+    sizes = list(tensor.shape)
+    levels = []
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            raise GatherError(
+                f"placement {placement!r} is not supported (only Shard(d) and Replicate); "
+                "push such a layout through a conversion source"
+            )
+        d = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
+        split = chunk_sizes(sizes[d], mesh.size(mesh_dim))
+        levels.append(_Level(mesh_dim=mesh_dim, dim=d, sizes=tuple(split)))
+        sizes[d] = split[coordinate[mesh_dim]]
+    return levels
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise GatherError(f"{what} failed: {exc}") from exc
+
+
+def _all_gather(
+    out: torch.Tensor, shard: torch.Tensor, group: Any, timeout: float, what: str
+) -> None:
+    import torch.distributed as dist
+
+    # all_gather_single is the newer name (torch 2.13) of all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, shard, group=group, async_op=True)
+    _wait(work, timeout, what)
+
+
+def gather_into(tensor: Any, out: torch.Tensor, *, timeout: float, name: str = "") -> None:
+    """Write the full value of ``tensor`` (a DTensor, or a plain tensor) into ``out``.
+
+    ``out`` has the tensor's global shape, is contiguous, and may have another
+    (floating-point) dtype: the shards are cast to it first. A collective over the
+    mesh dimensions that shard the tensor runs on every rank. Raises
+    :class:`GatherError` for an unsupported placement or a collective that failed or
+    did not finish within ``timeout`` seconds.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        out.copy_(tensor)
+        return
+    levels = _levels(tensor)
+    local: torch.Tensor = tensor.to_local()
+    if local.dtype != out.dtype:
+        local = local.to(out.dtype)  # cast before moving: fewer bytes on the wire
+    mesh = tensor.device_mesh
+    what = f"gathering {name or 'a parameter'}"
+    # Undo the splits innermost first; the last one undone writes into ``out``.
+    for i, level in enumerate(reversed(levels)):
+        world = len(level.sizes)
+        last = i == len(levels) - 1
+        group = mesh.get_group(level.mesh_dim)
+        if world == 1:
+            continue
+        even = len(set(level.sizes)) == 1
+        if last and even and level.dim == 0:
+            _all_gather(out.view(-1), local.contiguous().view(-1), group, timeout, what)
+            return
+        local = _gather_level(local, level, group, timeout, what, out if last else None)
+        if last:
+            return
+    out.copy_(local)
+
+
+def _gather_level(
+    local: torch.Tensor,
+    level: _Level,
+    group: Any,
+    timeout: float,
+    what: str,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Gather one level: padded shards into one buffer, then cut them into place."""
+    import torch
+
+    d, sizes = level.dim, level.sizes
+    chunk = max(sizes)
+    padded_shape = list(local.shape)
+    padded_shape[d] = chunk
+    shard = local
+    if local.shape[d] != chunk or not local.is_contiguous():
+        shard = torch.zeros(padded_shape, dtype=local.dtype, device=local.device)
+        shard.narrow(d, 0, local.shape[d]).copy_(local)
+    world = len(sizes)
+    gathered = torch.empty([world, *padded_shape], dtype=local.dtype, device=local.device)
+    _all_gather(gathered.view(-1), shard.view(-1), group, timeout, what)
+    del shard
+    full_shape = list(local.shape)
+    full_shape[d] = sum(sizes)
+    target = (
+        out if out is not None else torch.empty(full_shape, dtype=local.dtype, device=local.device)
+    )
+    offset = 0
+    for rank, size in enumerate(sizes):
+        if size:
+            target.narrow(d, offset, size).copy_(gathered[rank].narrow(d, 0, size))
+        offset += size
+    return target

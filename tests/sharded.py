@@ -1,0 +1,233 @@
+"""FSDP2 trainer ranks for the sharded-trainer tests: module-level, so spawn can run them.
+
+Each rank process joins a gloo group, shards a small transformer with ``fully_shard``
+(fp32 parameters; some row counts are not divisible by the world size), and loops:
+an optimizer step, the full state it expects the engine to get (gathered on every
+rank, cast to bf16) sent to the test through a queue, then ``serve_push`` until the
+coordinator ends the push. After its last step it serves until the coordinator closes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from torch.nn import functional as F
+
+VOCAB = 97  # odd: lm_head's and the embedding's rows split 49 + 48 over two ranks
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.out = torch.nn.Linear(hidden, hidden)
+        self.norm2 = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 2 * hidden + 1)  # odd rows
+        self.down = torch.nn.Linear(2 * hidden + 1, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(h, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, h // self.heads).transpose(1, 2) for y in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, h))
+        y: torch.Tensor = x + self.down(F.gelu(self.up(self.norm2(x))))
+        return y
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, hidden: int = 48, layers: int = 2, heads: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.lm_head = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.lm_head(self.norm(x))
+        return out
+
+
+def make_transformer(hidden: int = 48) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyTransformer(hidden)
+
+
+def make_transformer_bf16() -> torch.nn.Module:
+    """The engine's copy: the same transformer, held in bfloat16."""
+    return make_transformer().to(torch.bfloat16)
+
+
+def make_wide_transformer_bf16() -> torch.nn.Module:
+    return make_transformer(256).to(torch.bfloat16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What a rank process does."""
+
+    world: int
+    port: int
+    directory: str
+    steps: int
+    hidden: int = 48
+    devices: dict[int, list[str]] = field(default_factory=dict)  # rank -> devices served
+    kill_at_bucket: dict[int, int] = field(default_factory=dict)  # rank -> bucket
+    gather_timeout: float = 30.0
+
+
+def _digests(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter gathered (a collective: all ranks), cast to bf16, digested."""
+    from asyncrefit._receiver import tensor_digest
+
+    return {
+        name: tensor_digest(p.full_tensor().to(torch.bfloat16))  # type: ignore[attr-defined]
+        for name, p in model.named_parameters()
+    }
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, in bytes."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncrefit import cpu_device
+    from asyncrefit.trainer import DTensorSource, RankServer, rank_path
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(plan.port))
+    dist.init_process_group("gloo", rank=rank, world_size=plan.world)
+    try:
+        mesh = init_device_mesh("cpu", (plan.world,))
+        model = make_transformer(plan.hidden)
+        assert isinstance(model, TinyTransformer)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        kill_at = plan.kill_at_bucket.get(rank)
+
+        class Source(DTensorSource):
+            def _pack_locked(self, bucket: Any, slot: int) -> int | None:
+                if bucket.index == kill_at:
+                    os._exit(9)  # a rank lost in the middle of a push's gathers
+                return super()._pack_locked(bucket, slot)
+
+        devices = plan.devices.get(rank, [f"cpu:{rank}"])
+        source = Source(
+            model, devices=[cpu_device(d) for d in devices], timeout=plan.gather_timeout
+        )
+        server = RankServer(source, rank_path(plan.directory, rank))
+
+        async def serve() -> None:
+            async with server:
+                for step in range(1, plan.steps + 1):
+                    gen = torch.Generator().manual_seed(step)
+                    tokens = torch.randint(0, VOCAB, (4, 16), generator=gen)
+                    logits = model(tokens)
+                    loss = F.cross_entropy(
+                        logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)
+                    )
+                    loss.backward()  # type: ignore[no-untyped-call]
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    expected = _digests(model)
+                    if rank == 0:
+                        results.put(("expected", step, expected))
+                    _reset_peak()
+                    before, _ = _rss()
+                    outcome = await server.serve_push()
+                    _, peak = _rss()
+                    results.put(("peak", rank, step, peak - before))
+                    if outcome.closed:
+                        results.put(("closed", rank, step))
+                        return
+                while not (await server.serve_push()).closed:
+                    pass
+                results.put(("closed", rank, plan.steps))
+
+        anyio.run(serve)
+    finally:
+        dist.destroy_process_group()
+
+
+#: (name, mesh shape, placements, global shape): the layouts the gather must undo.
+LAYOUTS: list[tuple[str, tuple[int, ...], tuple[str, ...], tuple[int, ...]]] = [
+    ("shard0-even", (4,), ("S0",), (8, 5)),
+    ("shard0-uneven", (4,), ("S0",), (7, 5)),
+    ("shard0-fewer-rows-than-ranks", (4,), ("S0",), (3, 5)),
+    ("shard1-uneven", (4,), ("S1",), (6, 9)),
+    ("replicate", (4,), ("R",), (4, 3)),
+    ("2d-shard0-shard1", (2, 2), ("S0", "S1"), (5, 7)),
+    ("2d-shard0-shard0", (2, 2), ("S0", "S0"), (9, 3)),
+    ("2d-replicate-shard0", (2, 2), ("R", "S0"), (5, 4)),
+    ("1d-vector", (4,), ("S0",), (10,)),
+    ("empty", (4,), ("S0",), (0, 4)),
+]
+
+
+def layouts_main(rank: int, world: int, port: int, results: Any) -> None:
+    """Gather every layout of :data:`LAYOUTS` into fp32 and bf16 destinations; report."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from asyncrefit.trainer._gather import GatherError, gather_into
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+        for name, mesh_shape, placements, shape in LAYOUTS:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            full = torch.randn(shape, generator=torch.Generator().manual_seed(len(name)))
+            dt = distribute_tensor(full, mesh, [kinds[p] for p in placements])
+            for dtype in (torch.float32, torch.bfloat16):
+                out = torch.full(shape, float("nan"), dtype=dtype)
+                gather_into(dt, out, timeout=10, name=name)
+                ok = torch.equal(out.view(torch.uint8), full.to(dtype).view(torch.uint8))
+                results.put(("layout", rank, name, str(dtype), ok))
+        mesh = init_device_mesh("cpu", (world,))
+        partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        try:
+            gather_into(partial, torch.empty(4), timeout=10, name="partial")
+        except GatherError as exc:
+            results.put(("refused", rank, str(exc)))
+        else:
+            results.put(("refused", rank, None))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,220 @@
+"""Sharded trainers: FSDP2 ranks in their own processes, gathered bucket by bucket.
+
+Two trainer processes shard a small transformer with ``fully_shard`` (fp32 master
+weights, row counts that two ranks split unevenly) over gloo; the test process is the
+coordinator, driving both ranks through every bucket in plan order; local worker
+processes hold the model in bf16. After each of three optimizer steps, every worker
+must hold, bitwise, the trainer's gathered full state cast to bf16.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import pytest
+
+from asyncrefit import PushError, RefitCoordinator, SourceDiedError
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.trainer import RankSource, rank_path
+from asyncrefit.transport.shm import list_segments
+
+from .sharded import (
+    LAYOUTS,
+    RankPlan,
+    free_port,
+    layouts_main,
+    make_transformer_bf16,
+    make_wide_transformer_bf16,
+    rank_main,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+KIB = 1024
+
+
+@contextmanager
+def trainer_ranks(plan: RankPlan) -> Iterator[tuple[list[Any], Any]]:
+    """Start ``plan.world`` rank processes; on exit wait for them, kill stragglers."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=rank_main, args=(r, plan, results), daemon=True)
+        for r in range(plan.world)
+    ]
+    for p in processes:
+        p.start()
+    try:
+        yield processes, results
+    finally:
+        for p in processes:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        results.close()
+        results.join_thread()
+
+
+def take(results: Any, kind: str, timeout: float = 60.0) -> tuple[Any, ...]:
+    """The next message of ``kind`` from the ranks (others are kept for later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for i, item in enumerate(take.pending):  # type: ignore[attr-defined]
+            if item[0] == kind:
+                return tuple(take.pending.pop(i))  # type: ignore[attr-defined]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no {kind!r} from the trainer ranks")
+        try:
+            take.pending.append(results.get(timeout=min(left, 1.0)))  # type: ignore[attr-defined]
+        except queue.Empty:
+            pass
+
+
+take.pending = []  # type: ignore[attr-defined]
+
+
+@asynccontextmanager
+async def sharded_refit(
+    plan: RankPlan, workers: list[Any], budget: int, **kwargs: Any
+) -> AsyncIterator[RefitCoordinator]:
+    sources = [RankSource(rank_path(plan.directory, r), timeout=60) for r in range(plan.world)]
+    async with RefitCoordinator(
+        trainer=sources, workers=workers, budget_bytes=budget, **kwargs
+    ) as refit:
+        yield refit
+
+
+def rank_segments(processes: list[Any]) -> list[str]:
+    pids = {p.pid for p in processes}
+    return [s for s in list_segments() if int(s.split("-")[1]) in pids]
+
+
+async def check_three_pushes(plan: RankPlan, worker_devices: list[str], budget: int) -> list[int]:
+    take.pending = []  # type: ignore[attr-defined]
+    with trainer_ranks(plan) as (processes, results):
+        async with spawn_local_workers(
+            make_transformer_bf16, len(worker_devices), devices=worker_devices
+        ) as workers:
+            async with sharded_refit(plan, workers, budget, verify=True) as refit:
+                assert refit.plan is not None and len(refit.plan.buckets) > 2
+                for version in range(1, plan.steps + 1):
+                    report = await refit.push(version)
+                    _, step, expected = take(results, "expected")
+                    assert step == version
+                    for w in workers:
+                        assert await w.parameter_digests() == expected, (w.name, version)
+                        assert await w.weight_version() == version
+                    assert report.bytes == sum(
+                        p.numel() * 2 for p in make_transformer_bf16().parameters()
+                    )
+        peaks = [take(results, "peak")[3] for _ in range(plan.world * plan.steps)]
+        for _ in range(plan.world):
+            take(results, "closed")
+    assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
+    assert rank_segments(processes) == []
+    return peaks
+
+
+async def test_fsdp2_ranks_push_their_gathered_state_cast_to_bf16() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        plan = RankPlan(world=2, port=free_port(), directory=directory, steps=3)
+        await check_three_pushes(plan, ["cpu:0", "cpu:1"], budget=64 * KIB)
+
+
+async def test_a_rank_that_serves_no_worker_still_takes_part_in_every_gather() -> None:
+    """All four workers sit on rank 0's device; rank 1 serves none, but must gather.
+
+    Were rank 1 not driven through every bucket, rank 0's gathers would wait for it
+    until their timeout and the push would fail.
+    """
+    with tempfile.TemporaryDirectory() as directory:
+        plan = RankPlan(world=2, port=free_port(), directory=directory, steps=3)
+        await check_three_pushes(plan, ["cpu:0"] * 4, budget=64 * KIB)
+
+
+async def test_a_rank_killed_mid_gather_fails_the_push_and_nothing_is_left() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        plan = RankPlan(
+            world=2,
+            port=free_port(),
+            directory=directory,
+            steps=1,
+            kill_at_bucket={1: 1},
+            gather_timeout=10.0,
+        )
+        take.pending = []  # type: ignore[attr-defined]
+        with trainer_ranks(plan) as (processes, results):
+            async with spawn_local_workers(
+                make_transformer_bf16, 2, devices=["cpu:0", "cpu:1"]
+            ) as workers:
+                async with sharded_refit(plan, workers, 64 * KIB, timeout=20) as refit:
+                    start = time.monotonic()
+                    with pytest.raises(PushError) as info:
+                        await refit.push(1)
+                    assert time.monotonic() - start < 20
+                    assert isinstance(info.value.cause, SourceDiedError)
+                    assert "rank-1" in str(info.value.cause)
+                    assert set(info.value.incomplete) == {"worker-0", "worker-1"}
+            take(results, "closed")  # the surviving rank returned from serve_push
+        assert processes[1].exitcode == 9 and processes[0].exitcode == 0
+        assert rank_segments(processes) == []
+
+
+async def test_peak_extra_memory_per_rank_stays_within_budget_plus_largest_tensor() -> None:
+    budget = 2 << 20
+    with tempfile.TemporaryDirectory() as directory:
+        plan = RankPlan(world=2, port=free_port(), directory=directory, steps=2, hidden=256)
+        take.pending = []  # type: ignore[attr-defined]
+        with trainer_ranks(plan) as (_, results):
+            async with spawn_local_workers(
+                make_wide_transformer_bf16, 2, devices=["cpu:0", "cpu:1"]
+            ) as workers:
+                async with sharded_refit(plan, workers, budget) as refit:
+                    for version in (1, 2):
+                        await refit.push(version)
+                        take(results, "expected")
+            peaks = {(r, s): extra for _, r, s, extra in (take(results, "peak") for _ in range(4))}
+            take(results, "closed")
+            take(results, "closed")
+    largest = max(p.numel() * 4 for p in make_wide_transformer_bf16().parameters())
+    bound = budget + largest
+    print(f"peak extra memory per rank and push: {peaks}; bound {bound}")
+    # The first push also maps the staging slots (the budget); later ones reuse them.
+    # (256 KiB for the allocator and the interpreter around it.)
+    assert all(extra <= bound + (256 << 10) for extra in peaks.values()), (peaks, bound)
+
+
+def test_every_placement_on_1d_and_2d_meshes_is_gathered_bitwise() -> None:
+    """Shard(0) (even, uneven, fewer rows than ranks), Shard(1), Replicate, 2-D meshes."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=layouts_main, args=(r, 4, port, results), daemon=True)
+        for r in range(4)
+    ]
+    for p in processes:
+        p.start()
+    try:
+        got = [results.get(timeout=90) for _ in range(4 * 2 * len(LAYOUTS) + 4)]
+    finally:
+        for p in processes:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        results.close()
+        results.join_thread()
+    bad = [g for g in got if g[0] == "layout" and not g[4]]
+    assert bad == []
+    refusals = [g for g in got if g[0] == "refused"]
+    assert len(refusals) == 4 and all(r[2] and "Partial" in r[2] for r in refusals)
+    assert all(p.exitcode == 0 for p in processes)
