@@ -38,29 +38,17 @@ TensorsLike: TypeAlias = (
 )
 
 
-class _InProcessSource:
-    """What both in-process sources share: reading the tensors, describing them."""
+class _SourceBase:
+    """What every source of this process shares: its name, node and devices; one
+    packing thread at a time; closing off the event loop; naming a failed parameter."""
 
     def __init__(
         self,
-        parameters: TensorsLike,
         *,
         devices: Iterable[DeviceId | str] | None,
         node: str | None,
         name: str,
     ) -> None:
-        import torch
-
-        if isinstance(parameters, torch.nn.Module):
-            module = parameters
-            self._tensors: Callable[[], Mapping[str, torch.Tensor]] = lambda: dict(
-                module.named_parameters()
-            )
-        elif isinstance(parameters, Mapping):
-            mapping = parameters
-            self._tensors = lambda: mapping
-        else:
-            self._tensors = parameters
         self._node = node if node is not None else local_node_id()
         self._devices = (
             None
@@ -73,34 +61,9 @@ class _InProcessSource:
         # a cancellation cannot stop, waits there for a pack still running.
         self._limiter = anyio.CapacityLimiter(1)
         self._buffer_lock = threading.Lock()
-        # The tensors as read by the last describe (the start of a push): walking a
-        # module's parameters for every bucket would cost more than packing small ones.
-        self._current: Mapping[str, torch.Tensor] | None = None
 
-    def specs(self) -> tuple[ParamSpec, ...]:
-        """The current parameters' names, shapes and dtypes, in order."""
-        return self._specs(self._tensors())
-
-    @staticmethod
-    def _specs(tensors: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
-        return tuple(
-            ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
-            for name, t in tensors.items()
-        )
-
-    def _read(self) -> Mapping[str, torch.Tensor]:
-        """The tensors of the push in progress (read afresh by every describe)."""
-        return self._current if self._current is not None else self._tensors()
-
-    async def describe(self) -> SourceInfo:
-        """Read the parameters afresh (the coordinator calls this at every push)."""
-        self._current = dict(self._tensors())
-        return SourceInfo(
-            name=self._name,
-            node=self._node,
-            devices=self._devices,
-            specs=self._specs(self._current),
-        )
+    def _info(self, specs: tuple[ParamSpec, ...]) -> SourceInfo:
+        return SourceInfo(name=self._name, node=self._node, devices=self._devices, specs=specs)
 
     async def _close_in_thread(self, close: Callable[[], None]) -> None:
         """Run ``close`` off the event loop, after any pack still running; wait for it.
@@ -140,6 +103,65 @@ class _InProcessSource:
         if failed:
             raise failed[0]
 
+    @contextmanager
+    def _packing(self, bucket: int, entry: TensorEntry) -> Iterator[None]:
+        """Turn an error while packing ``entry`` into a :class:`PackError` that names it."""
+        try:
+            yield
+        except PackError:
+            raise
+        except Exception as exc:
+            raise PackError(self._name, bucket, entry.name, f"{type(exc).__name__}: {exc}") from exc
+
+
+class _InProcessSource(_SourceBase):
+    """What both sources of the training loop's own tensors share: reading them."""
+
+    def __init__(
+        self,
+        parameters: TensorsLike,
+        *,
+        devices: Iterable[DeviceId | str] | None,
+        node: str | None,
+        name: str,
+    ) -> None:
+        import torch
+
+        super().__init__(devices=devices, node=node, name=name)
+        if isinstance(parameters, torch.nn.Module):
+            module = parameters
+            self._tensors: Callable[[], Mapping[str, torch.Tensor]] = lambda: dict(
+                module.named_parameters()
+            )
+        elif isinstance(parameters, Mapping):
+            mapping = parameters
+            self._tensors = lambda: mapping
+        else:
+            self._tensors = parameters
+        # The tensors as read by the last describe (the start of a push): walking a
+        # module's parameters for every bucket would cost more than packing small ones.
+        self._current: Mapping[str, torch.Tensor] | None = None
+
+    def specs(self) -> tuple[ParamSpec, ...]:
+        """The current parameters' names, shapes and dtypes, in order."""
+        return self._specs(self._tensors())
+
+    @staticmethod
+    def _specs(tensors: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
+        return tuple(
+            ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+            for name, t in tensors.items()
+        )
+
+    def _read(self) -> Mapping[str, torch.Tensor]:
+        """The tensors of the push in progress (read afresh by every describe)."""
+        return self._current if self._current is not None else self._tensors()
+
+    async def describe(self) -> SourceInfo:
+        """Read the parameters afresh (the coordinator calls this at every push)."""
+        self._current = dict(self._tensors())
+        return self._info(self._specs(self._current))
+
     def _tensor(
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
@@ -158,48 +180,16 @@ class _InProcessSource:
             )
         return tensor
 
-    @contextmanager
-    def _packing(self, bucket: int, entry: TensorEntry) -> Iterator[None]:
-        """Turn an error while packing ``entry`` into a :class:`PackError` that names it."""
-        try:
-            yield
-        except PackError:
-            raise
-        except Exception as exc:
-            raise PackError(self._name, bucket, entry.name, f"{type(exc).__name__}: {exc}") from exc
 
+class _SlotSource(_SourceBase):
+    """A source that packs each bucket into a reusable slot of an exporter.
 
-class LocalTrainer(_InProcessSource):
-    """A :class:`~asyncrefit.TrainerSource` over tensors of this process.
-
-    ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
-    names to tensors, or a callable returning one; it is read afresh at every push, so
-    in-place optimizer steps and replaced tensors are both seen. Packing runs in a
-    worker thread so the event loop keeps serving acks meanwhile; do not step the
-    optimizer while a push is running.
-
-    ``exporter`` picks the transport (shared memory by default). ``devices`` restricts
-    the devices served (default: every device on this node).
-
-    Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
-    (also on every error path of the coordinator that owns this source); a source can
-    be prepared again after ``aclose``.
-
-    Error handling: a parameter that cannot be packed (it disappeared, changed shape or
-    dtype, or its copy failed) raises :class:`~asyncrefit.PackError` naming this
-    source, the bucket and the parameter, with the underlying error chained.
+    A subclass calls :meth:`_init_slots` from its ``__init__`` and implements
+    :meth:`_fill`; allocating, the pack's thread, sealing, the checksum, handles and
+    the close off the event loop are all here.
     """
 
-    def __init__(
-        self,
-        parameters: TensorsLike,
-        *,
-        exporter: Exporter | None = None,
-        devices: Iterable[DeviceId | str] | None = None,
-        node: str | None = None,
-        name: str = "trainer",
-    ) -> None:
-        super().__init__(parameters, devices=devices, node=node, name=name)
+    def _init_slots(self, exporter: Exporter | None) -> None:
         if exporter is None:
             from .transport.shm import SharedMemoryExporter
 
@@ -207,9 +197,6 @@ class LocalTrainer(_InProcessSource):
         self._exporter = exporter
         self._prepared = False
         self._checksum = False
-
-    def __repr__(self) -> str:
-        return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
 
     @property
     def exporter(self) -> Exporter:
@@ -226,6 +213,11 @@ class LocalTrainer(_InProcessSource):
         with self._buffer_lock:
             self._exporter.allocate(slots, slot_bytes)
 
+    def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Pack ``bucket`` into the flat ``uint8`` ``buffer`` (in a worker thread, under
+        no_grad, holding the buffer lock); return the packed views in entry order."""
+        raise NotImplementedError
+
     def _pack(self, bucket: Bucket, slot: int) -> int | None:
         with self._buffer_lock:
             if not self._prepared:  # closed while this pack waited for its turn
@@ -235,16 +227,9 @@ class LocalTrainer(_InProcessSource):
     def _pack_locked(self, bucket: Bucket, slot: int) -> int | None:
         import torch
 
-        tensors = self._read()
         buffer = self._exporter.buffer(slot)
-        packed = []
         with torch.no_grad():
-            for e in bucket.entries:
-                with self._packing(bucket.index, e):
-                    tensor = self._tensor(tensors, bucket.index, e)
-                    dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                    dst.view(e.shape).copy_(tensor)
-                packed.append(dst)
+            packed = self._fill(bucket, buffer)
         self._exporter.seal(slot)
         # Over the packed bytes, not the source: what the workers will read.
         return checksum(packed) if self._checksum else None
@@ -260,12 +245,66 @@ class LocalTrainer(_InProcessSource):
         return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
 
     async def aclose(self) -> None:
-        """Free the buffers: off the event loop, after a pack still running; see above.
+        """Free the buffers: off the event loop, after a pack still running.
 
         A cancelled ``aclose`` still frees them (the close goes on in its thread).
         """
         self._prepared = False
         await self._close_in_thread(self._exporter.close)
+
+
+def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The place of ``entry`` in a bucket's flat ``uint8`` buffer, flat, of its dtype."""
+    return buffer[entry.offset : entry.offset + entry.nbytes].view(torch_dtype(entry.dtype))
+
+
+class LocalTrainer(_InProcessSource, _SlotSource):
+    """A :class:`~asyncrefit.TrainerSource` over tensors of this process.
+
+    ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
+    names to tensors, or a callable returning one; it is read afresh at every push, so
+    in-place optimizer steps and replaced tensors are both seen. Packing runs in a
+    worker thread so the event loop keeps serving acks meanwhile; do not step the
+    optimizer while a push is running.
+
+    ``exporter`` picks the transport (shared memory by default). ``devices`` restricts
+    the devices served (default: every device on this node).
+
+    Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
+    (also on every error path of the coordinator that owns this source), off the event
+    loop and after a pack still running, also when ``aclose`` is cancelled; a source
+    can be prepared again after ``aclose``.
+
+    Error handling: a parameter that cannot be packed (it disappeared, changed shape or
+    dtype, or its copy failed) raises :class:`~asyncrefit.PackError` naming this
+    source, the bucket and the parameter, with the underlying error chained.
+    """
+
+    def __init__(
+        self,
+        parameters: TensorsLike,
+        *,
+        exporter: Exporter | None = None,
+        devices: Iterable[DeviceId | str] | None = None,
+        node: str | None = None,
+        name: str = "trainer",
+    ) -> None:
+        super().__init__(parameters, devices=devices, node=node, name=name)
+        self._init_slots(exporter)
+
+    def __repr__(self) -> str:
+        return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
+
+    def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+        tensors = self._read()
+        packed = []
+        for e in bucket.entries:
+            with self._packing(bucket.index, e):
+                tensor = self._tensor(tensors, bucket.index, e)
+                dst = entry_view(buffer, e)
+                dst.view(e.shape).copy_(tensor)
+            packed.append(dst)
+        return packed
 
 
 class SharedParameterTrainer(_InProcessSource):
@@ -372,7 +411,7 @@ class SharedParameterTrainer(_InProcessSource):
             tensor = self._tensor(tensors, bucket, e)
             if tensor.device.type != "cpu":
                 raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
-            view = base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            view = entry_view(base, e).view(e.shape)
             view.copy_(tensor)
             if tensor.stride() == view.stride():
                 tensor.data = view  # from now on it lives in the segment
