@@ -69,3 +69,33 @@ def dtype_itemsize(name: str) -> int:
             "are not in its bytes"
         )
     return int(dtype.itemsize)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    import torch
+
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating-point"
+    if dtype == torch.bool:
+        return "boolean"
+    return "integer"
+
+
+def cast_problem(source: torch.dtype, target: torch.dtype) -> str | None:
+    """Why a tensor of ``source`` dtype must not be cast into ``target``, or ``None``.
+
+    A cast keeps the kind of value: floating point into floating point (fp32 master
+    weights into a bf16 or fp8 engine), integer into integer, complex into complex.
+    Between kinds (integer and floating point, complex and real, boolean and anything)
+    it would change what the values mean rather than their precision: refused. Whether
+    torch can carry out an allowed cast (packed and sub-byte dtypes it cannot) is
+    learnt from the copy itself.
+    """
+    if source == target:
+        return None
+    have, want = _kind(source), _kind(target)
+    if have != want:
+        return f"{dtype_name(source)} cannot be cast to {dtype_name(target)} ({have} to {want})"
+    return None
