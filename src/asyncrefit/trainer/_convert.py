@@ -169,6 +169,7 @@ class _Stream:
             home = bucket_of.get(name)
             if home is None:
                 if self._skip(name):
+                    del tensor  # dropped before the stream makes the next one
                     continue
                 raise error(
                     name,
