@@ -228,7 +228,8 @@ class ConvertingSource(_SlotSource):
     afresh at every push (a changed set is re-planned). ``tensors(names)`` yields
     ``(name, tensor)``, the full engine-named tensor, for exactly the parameters of one
     bucket, in any order: gather and convert there. It is called once per bucket, in
-    plan order, in a worker thread, so the event loop keeps serving acks meanwhile.
+    plan order (the order the coordinator exports them), in a worker thread, so the
+    event loop keeps serving acks meanwhile.
     For a generator over the whole model (Megatron-Bridge's ``export_hf_weights``),
     use :meth:`from_stream`.
 
@@ -249,7 +250,8 @@ class ConvertingSource(_SlotSource):
 
     Resource handling: slots are allocated by ``prepare`` and freed by ``aclose``, off
     the event loop and after a pack still running, also when ``aclose`` is cancelled.
-    A generator the function returns is closed when its bucket is packed or fails.
+    A generator the function returns is closed when its bucket is packed or fails; for
+    a stream, see :meth:`from_stream`.
 
     Error handling: :class:`~asyncrefit.PackError`, naming this source, the bucket and
     the parameter, for a name that is not in the bucket, a name yielded twice, a
