@@ -15,6 +15,7 @@ PACKAGES = [
     "asyncrefit.transport",
     "asyncrefit.local",
     "asyncrefit.ray",
+    "asyncrefit.trainer",
     "asyncrefit.vllm",
 ]
 

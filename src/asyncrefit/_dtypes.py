@@ -97,3 +97,14 @@ def castable(source: str, target: str) -> bool:
     booleans, complex or packed formats, where a cast would change what the values mean).
     """
     return source == target or (source in CASTABLE_FLOATS and target in CASTABLE_FLOATS)
+
+
+def cast_problem(source: torch.dtype, target: torch.dtype) -> str | None:
+    """Why a tensor of ``source`` dtype must not be packed as ``target``, or ``None``.
+
+    The rule is :func:`castable`'s; this form names both dtypes for an error message.
+    """
+    have, want = dtype_name(source), dtype_name(target)
+    if castable(have, want):
+        return None
+    return f"{have} cannot be cast to {want} (only floating-point dtypes are cast)"

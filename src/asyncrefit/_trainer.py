@@ -54,29 +54,20 @@ def _reader(parameters: TensorsLike) -> Callable[[], Mapping[str, torch.Tensor]]
     return parameters
 
 
-class _InProcessSource:
-    """What in-process sources share: reading the tensors, naming and describing them."""
+class _SourceBase:
+    """What every source of this process shares: its name, node and devices; one
+    packing thread at a time; closing off the event loop; naming a failed parameter."""
 
     #: Whether packing takes part in collectives with other ranks (see SourceInfo).
     _gathers = False
 
     def __init__(
         self,
-        parameters: TensorsLike,
         *,
         devices: Iterable[DeviceId | str] | None,
         node: str | None,
         name: str,
-        names: NamesLike | None = None,
     ) -> None:
-
-        trainer_named = _reader(parameters)
-        names_map = as_name_map(names)
-
-        def engine_tensors() -> Mapping[str, torch.Tensor]:
-            return engine_named(trainer_named(), names_map, source=name)
-
-        self._tensors = engine_tensors
         self._node = node if node is not None else local_node_id()
         self._devices = (
             None
@@ -89,36 +80,13 @@ class _InProcessSource:
         # a cancellation cannot stop, waits there for a pack still running.
         self._limiter = anyio.CapacityLimiter(1)
         self._buffer_lock = threading.Lock()
-        # The tensors as read by the last describe (the start of a push): walking a
-        # module's parameters for every bucket would cost more than packing small ones.
-        self._current: Mapping[str, torch.Tensor] | None = None
-        self._described: dict[str, ParamSpec] = {}
 
     @property
     def name(self) -> str:
         """This source's name (in reports and errors)."""
         return self._name
 
-    def specs(self) -> tuple[ParamSpec, ...]:
-        """The current parameters' names, shapes and dtypes, in order."""
-        return self._specs(self._tensors())
-
-    @staticmethod
-    def _specs(tensors: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
-        return tuple(
-            ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
-            for name, t in tensors.items()
-        )
-
-    def _read(self) -> Mapping[str, torch.Tensor]:
-        """The tensors of the push in progress (read afresh by every describe)."""
-        return self._current if self._current is not None else self._tensors()
-
-    async def describe(self) -> SourceInfo:
-        """Read the parameters afresh (the coordinator calls this at every push)."""
-        self._current = dict(self._tensors())
-        specs = self._specs(self._current)
-        self._described = {s.name: s for s in specs}
+    def _info(self, specs: tuple[ParamSpec, ...]) -> SourceInfo:
         return SourceInfo(
             name=self._name,
             node=self._node,
@@ -165,6 +133,64 @@ class _InProcessSource:
         if failed:
             raise failed[0]
 
+    @contextmanager
+    def _packing(self, bucket: int, entry: TensorEntry) -> Iterator[None]:
+        """Turn an error while packing ``entry`` into a :class:`PackError` that names it."""
+        try:
+            yield
+        except PackError:
+            raise
+        except Exception as exc:
+            raise PackError(self._name, bucket, entry.name, f"{type(exc).__name__}: {exc}") from exc
+
+
+class _InProcessSource(_SourceBase):
+    """What the sources of the training loop's own tensors share: reading and naming them."""
+
+    def __init__(
+        self,
+        parameters: TensorsLike,
+        *,
+        devices: Iterable[DeviceId | str] | None,
+        node: str | None,
+        name: str,
+        names: NamesLike | None = None,
+    ) -> None:
+        super().__init__(devices=devices, node=node, name=name)
+        trainer_named = _reader(parameters)
+        names_map = as_name_map(names)
+
+        def engine_tensors() -> Mapping[str, torch.Tensor]:
+            return engine_named(trainer_named(), names_map, source=name)
+
+        self._tensors = engine_tensors
+        # The tensors as read by the last describe (the start of a push): walking a
+        # module's parameters for every bucket would cost more than packing small ones.
+        self._current: Mapping[str, torch.Tensor] | None = None
+        self._described: dict[str, ParamSpec] = {}
+
+    def specs(self) -> tuple[ParamSpec, ...]:
+        """The current parameters' names, shapes and dtypes, in order."""
+        return self._specs(self._tensors())
+
+    @staticmethod
+    def _specs(tensors: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
+        return tuple(
+            ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+            for name, t in tensors.items()
+        )
+
+    def _read(self) -> Mapping[str, torch.Tensor]:
+        """The tensors of the push in progress (read afresh by every describe)."""
+        return self._current if self._current is not None else self._tensors()
+
+    async def describe(self) -> SourceInfo:
+        """Read the parameters afresh (the coordinator calls this at every push)."""
+        self._current = dict(self._tensors())
+        specs = self._specs(self._current)
+        self._described = {s.name: s for s in specs}
+        return self._info(specs)
+
     def _tensor(
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
@@ -188,18 +214,85 @@ class _InProcessSource:
             )
         return tensor
 
-    @contextmanager
-    def _packing(self, bucket: int, entry: TensorEntry) -> Iterator[None]:
-        """Turn an error while packing ``entry`` into a :class:`PackError` that names it."""
-        try:
-            yield
-        except PackError:
-            raise
-        except Exception as exc:
-            raise PackError(self._name, bucket, entry.name, f"{type(exc).__name__}: {exc}") from exc
+
+class _SlotSource(_SourceBase):
+    """A source that packs each bucket into a reusable slot of an exporter.
+
+    A subclass calls :meth:`_init_slots` from its ``__init__`` and implements
+    :meth:`_fill`; allocating, the pack's thread, sealing, the checksum, handles and
+    the close off the event loop are all here.
+    """
+
+    def _init_slots(self, exporter: Exporter | None) -> None:
+        if exporter is None:
+            from .transport.shm import SharedMemoryExporter
+
+            exporter = SharedMemoryExporter()
+        self._exporter = exporter
+        self._prepared = False
+        self._checksum = False
+
+    @property
+    def exporter(self) -> Exporter:
+        return self._exporter
+
+    async def prepare(
+        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
+    ) -> None:
+        await anyio.to_thread.run_sync(self._allocate, slots, slot_bytes, limiter=self._limiter)
+        self._checksum = checksum
+        self._prepared = True
+
+    def _allocate(self, slots: int, slot_bytes: int) -> None:
+        with self._buffer_lock:
+            self._exporter.allocate(slots, slot_bytes)
+
+    def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Pack ``bucket`` into the flat ``uint8`` ``buffer`` (in a worker thread, under
+        no_grad, holding the buffer lock); return the packed views in entry order."""
+        raise NotImplementedError
+
+    def _pack(self, bucket: Bucket, slot: int) -> int | None:
+        with self._buffer_lock:
+            if not self._prepared:  # closed while this pack waited for its turn
+                raise ClosedError(f"trainer source {self._name!r} was closed")
+            return self._pack_locked(bucket, slot)
+
+    def _pack_locked(self, bucket: Bucket, slot: int) -> int | None:
+        import torch
+
+        buffer = self._exporter.buffer(slot)
+        with torch.no_grad():
+            packed = self._fill(bucket, buffer)
+        self._exporter.seal(slot)
+        # Over the packed bytes, not the source: what the workers will read.
+        return checksum(packed) if self._checksum else None
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        if not self._prepared:
+            raise ClosedError(f"trainer source {self._name!r} has no buffers (not prepared)")
+        crc = await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
+        if not self._prepared:  # closed meanwhile: the slot may be gone already
+            raise ClosedError(f"trainer source {self._name!r} was closed")
+        return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
+
+    async def aclose(self) -> None:
+        """Free the buffers: off the event loop, after a pack still running.
+
+        A cancelled ``aclose`` still frees them (the close goes on in its thread).
+        """
+        self._prepared = False
+        await self._close_in_thread(self._exporter.close)
 
 
-class LocalTrainer(_InProcessSource):
+def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The place of ``entry`` in a bucket's flat ``uint8`` buffer, flat, of its dtype."""
+    return buffer[entry.offset : entry.offset + entry.nbytes].view(torch_dtype(entry.dtype))
+
+
+class LocalTrainer(_InProcessSource, _SlotSource):
     """A :class:`~asyncrefit.TrainerSource` over tensors of this process.
 
     ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
@@ -217,8 +310,9 @@ class LocalTrainer(_InProcessSource):
     engine); only floating-point dtypes are cast.
 
     Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
-    (also on every error path of the coordinator that owns this source); a source can
-    be prepared again after ``aclose``.
+    (also on every error path of the coordinator that owns this source), off the event
+    loop and after a pack still running, also when ``aclose`` is cancelled; a source
+    can be prepared again after ``aclose``.
 
     Error handling: a parameter that cannot be packed (it disappeared, changed shape or
     dtype, or its copy failed) raises :class:`~asyncrefit.PackError` naming this
@@ -236,76 +330,25 @@ class LocalTrainer(_InProcessSource):
         names: NamesLike | None = None,
     ) -> None:
         super().__init__(parameters, devices=devices, node=node, name=name, names=names)
-        if exporter is None:
-            from .transport.shm import SharedMemoryExporter
-
-            exporter = SharedMemoryExporter()
-        self._exporter = exporter
-        self._prepared = False
-        self._checksum = False
+        self._init_slots(exporter)
 
     def __repr__(self) -> str:
         return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
 
-    @property
-    def exporter(self) -> Exporter:
-        return self._exporter
-
-    async def prepare(
-        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
-    ) -> None:
-        await anyio.to_thread.run_sync(self._allocate, slots, slot_bytes, limiter=self._limiter)
-        self._checksum = checksum
-        self._prepared = True
-
-    def _allocate(self, slots: int, slot_bytes: int) -> None:
-        with self._buffer_lock:
-            self._exporter.allocate(slots, slot_bytes)
-
-    def _pack(self, bucket: Bucket, slot: int) -> int | None:
-        with self._buffer_lock:
-            if not self._prepared:  # closed while this pack waited for its turn
-                raise ClosedError(f"trainer source {self._name!r} was closed")
-            return self._pack_locked(bucket, slot)
-
-    def _pack_locked(self, bucket: Bucket, slot: int) -> int | None:
-        import torch
-
+    def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
         tensors = self._read()
-        buffer = self._exporter.buffer(slot)
         packed = []
-        with torch.no_grad():
-            for e in bucket.entries:
-                with self._packing(bucket.index, e):
-                    tensor = self._tensor(tensors, bucket.index, e)
-                    dst = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                    self._copy_into(dst.view(e.shape), tensor, e.name)
-                packed.append(dst)
-        self._exporter.seal(slot)
-        # Over the packed bytes, not the source: what the workers will read.
-        return checksum(packed) if self._checksum else None
+        for e in bucket.entries:
+            with self._packing(bucket.index, e):
+                tensor = self._tensor(tensors, bucket.index, e)
+                dst = entry_view(buffer, e)
+                self._copy_into(dst.view(e.shape), tensor, e.name)
+            packed.append(dst)
+        return packed
 
     def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         """Write ``tensor``'s value into its place ``dst`` (cast to ``dst``'s dtype)."""
         dst.copy_(tensor)
-
-    async def export(
-        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
-    ) -> tuple[Handle, ...]:
-        if not self._prepared:
-            raise ClosedError(f"trainer source {self._name!r} has no buffers (not prepared)")
-        crc = await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
-        if not self._prepared:  # closed meanwhile: the slot may be gone already
-            raise ClosedError(f"trainer source {self._name!r} was closed")
-        return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
-
-    async def aclose(self) -> None:
-        """Free the buffers: off the event loop, after a pack still running; see above.
-
-        A cancelled ``aclose`` still frees them (the close goes on in its thread).
-        """
-        self._prepared = False
-        await self._close_in_thread(self._exporter.close)
 
 
 class SharedParameterTrainer(_InProcessSource):
@@ -416,7 +459,7 @@ class SharedParameterTrainer(_InProcessSource):
             tensor = self._tensor(tensors, bucket, e)
             if tensor.device.type != "cpu":
                 raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
-            view = base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            view = entry_view(base, e).view(e.shape)
             view.copy_(tensor)
             if tensor.stride() == view.stride() and tensor.dtype == view.dtype:
                 tensor.data = view  # from now on it lives in the segment

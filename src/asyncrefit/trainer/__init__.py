@@ -4,12 +4,22 @@
   gathered bucket by bucket into the staging slots, cast to the engine's dtype.
 - :class:`RankServer` / :class:`RankSource`: a rank in another process serves its
   source; the coordinator drives it through every push.
+- :class:`ConvertingSource`: full, engine-named tensors that a conversion function
+  makes (from Megatron TP/PP/EP shards, fused ``qkv`` and ``gate_up``), bucket by bucket.
 """
 
+from ._convert import ConvertingSource as ConvertingSource
 from ._dtensor import DTensorSource as DTensorSource
 from ._rank import RankPush as RankPush
 from ._rank import RankServer as RankServer
 from ._rank import RankSource as RankSource
 from ._rank import rank_path as rank_path
 
-__all__ = ("DTensorSource", "RankPush", "RankServer", "RankSource", "rank_path")
+__all__ = (
+    "ConvertingSource",
+    "DTensorSource",
+    "RankPush",
+    "RankServer",
+    "RankSource",
+    "rank_path",
+)

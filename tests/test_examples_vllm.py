@@ -1,0 +1,51 @@
+"""The vLLM examples, run as a new user runs them: ``python examples/<name>.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrefit.transport.shm import list_segments
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
+
+
+def run_example(name: str, timeout: float = 360.0) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<name>`` from the repository root with this interpreter."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    with subprocess.Popen(
+        [sys.executable, f"examples/{name}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
+        try:
+            out, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, _ = process.communicate()
+            pytest.fail(f"{name} ran past {timeout} s:\n{out[-4000:]}")
+    left = [s for s in list_segments() if s.startswith(f"asyncrefit-{process.pid}-")]
+    assert not left, f"{name} left shared memory segments behind: {left}"
+    return subprocess.CompletedProcess(process.args, process.returncode, out, None)
+
+
+def test_megatron_convert_example_pushes_converted_weights_into_vllm() -> None:
+    done = run_example("megatron_convert.py")
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "all pushes verified" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.strip().endswith("]")]
+    assert sum(" ok [" in row for row in rows) == 3, done.stdout[-4000:]
