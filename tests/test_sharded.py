@@ -188,8 +188,9 @@ async def test_peak_extra_memory_per_rank_stays_within_budget_plus_largest_tenso
     bound = budget + largest
     print(f"peak extra memory per rank and push: {peaks}; bound {bound}")
     # The first push also maps the staging slots (the budget); later ones reuse them.
-    # (256 KiB for the allocator and the interpreter around it.)
-    assert all(extra <= bound + (256 << 10) for extra in peaks.values()), (peaks, bound)
+    # Resident-set peaks also count the interpreter's own allocations during a push
+    # (pickled plans and handles, a worker thread's stack): 512 KiB for those.
+    assert all(extra <= bound + (512 << 10) for extra in peaks.values()), (peaks, bound)
 
 
 def test_every_placement_on_1d_and_2d_meshes_is_gathered_bitwise() -> None:

@@ -323,18 +323,15 @@ class RankSource:
                         got, reply = decode(await channel.receive())
                         if got == request_id:
                             break
+                        # else: the answer to a request whose caller was cancelled
             except TimeoutError:
                 await self._gone(f"no answer to {type(request).__name__} within {self._timeout} s")
                 raise SourceTimeoutError(self.name, self._dead or "timed out") from None
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await self._gone("the rank closed its connection")
                 raise SourceDiedError(self.name, self._dead or "gone") from None
-            except BaseException:
-                # Cancelled mid-request: the answer may still come, on a connection
-                # that would then be out of step. A rank is driven by one push at a
-                # time and a cancelled push ends there: close it.
-                await self._gone("a request was cancelled")
-                raise
+            # A request cancelled while it waits for its answer leaves the connection
+            # usable: the rank answers in order, and a late answer is told by its id.
         if isinstance(reply, ErrorReply):
             raise SourceRemoteError(self.name, reply.type, reply.message)
         answer: RankReply = reply
