@@ -173,6 +173,8 @@ def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
                     outcome = await server.serve_push()
                     _, peak = _rss()
                     results.put(("peak", rank, step, peak - before))
+                    if rank == 0:
+                        results.put(("served", step, outcome.version, outcome.ok))
                     if outcome.closed:
                         results.put(("closed", rank, step))
                         return

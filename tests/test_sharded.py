@@ -9,6 +9,7 @@ must hold, bitwise, the trainer's gathered full state cast to bf16.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import queue
 import tempfile
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+import anyio
 import pytest
 
 from asyncrefit import PushError, RefitCoordinator, SourceDiedError
@@ -24,6 +26,7 @@ from asyncrefit.local import spawn_local_workers
 from asyncrefit.trainer import RankSource, rank_path
 from asyncrefit.transport.shm import list_segments
 
+from .helpers import own_segments
 from .sharded import (
     LAYOUTS,
     RankPlan,
@@ -219,3 +222,64 @@ def test_every_placement_on_1d_and_2d_meshes_is_gathered_bitwise() -> None:
     refusals = [g for g in got if g[0] == "refused"]
     assert len(refusals) == 4 and all(r[2] and "Partial" in r[2] for r in refusals)
     assert all(p.exitcode == 0 for p in processes)
+
+
+async def test_a_sharded_push_cancelled_at_any_moment_leaves_everything_usable() -> None:
+    """The cancellation harness over two FSDP2 ranks: a bucket whose gathers began is
+    seen through on both ranks, every rank hears the push end, and the next push works."""
+    from .test_cancellation import check_clean
+
+    with tempfile.TemporaryDirectory() as directory:
+        plan = RankPlan(world=2, port=free_port(), directory=directory, steps=10_000)
+        take.pending = []  # type: ignore[attr-defined]
+        with trainer_ranks(plan) as (processes, results):
+            async with spawn_local_workers(
+                make_transformer_bf16, 2, devices=["cpu:0", "cpu:1"]
+            ) as workers:
+                async with sharded_refit(plan, workers, 64 * KIB) as refit:
+                    # A push that got going ends with the rank's ``serve_push``,
+                    # after which the rank takes an optimizer step; one cancelled
+                    # before it began leaves the rank waiting in the same step.
+                    states: dict[int, dict[str, str]] = {}  # by step
+                    step_of: dict[int, int] = {}  # by version
+
+                    def state_of(version: int) -> dict[str, str]:
+                        while version not in step_of:
+                            _, step, pushed, _ok = take(results, "served")
+                            step_of[pushed] = step
+                        step = step_of[version]
+                        while step not in states:
+                            _, s, digests = take(results, "expected")
+                            states[s] = digests
+                        return states[step]
+
+                    # Processes answer in their own time, so cut pushes off after a
+                    # delay rather than after a number of scheduling points: from at
+                    # once to a whole push, in steps of a twelfth of one.
+                    await refit.push(1)
+                    state_of(1)
+                    start = time.perf_counter()
+                    await refit.push(2)
+                    whole = time.perf_counter() - start
+                    tasks_before = len(asyncio.all_tasks())
+                    segments = set(own_segments())
+                    version, cancelled = 2, 0
+                    for i in range(13):
+                        version += 1
+                        with anyio.move_on_after(whole * i / 12) as scope:
+                            await refit.push(version)
+                        cancelled += scope.cancelled_caught
+                        await check_clean(refit, tasks_before, segments)
+                        for w in workers:
+                            held = await w.weight_version()
+                            if held is not None:
+                                assert await w.parameter_digests() == state_of(held), (i, held)
+                        version += 1
+                        await refit.push(version)
+                        for w in workers:
+                            assert await w.parameter_digests() == state_of(version)
+                    assert cancelled >= 6
+            for _ in range(plan.world):
+                take(results, "closed")
+    assert all(p.exitcode == 0 for p in processes)
+    assert rank_segments(processes) == []
