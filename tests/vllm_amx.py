@@ -1,0 +1,42 @@
+"""A vLLM worker extension for bfloat16 CPU engines: asyncrefit's, AMX permission asked first.
+
+On x86 Linux a process must ask the kernel (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) before
+it may use AMX tiles. vLLM 0.32's CPU attention picks its AMX kernel for bfloat16
+wherever the CPU advertises AMX, but its worker never asks: on our CPU machines the
+worker dies of SIGILL at the first request (oneDNN asks on its own, vLLM's attention
+kernel does not). vLLM imports the module of ``worker_extension_cls`` into every
+worker before it builds the model, so asking at this module's import is in time.
+Nothing changes on CPUs without AMX (the request is refused, and vLLM does not pick
+the AMX kernel there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+
+from asyncrefit.vllm.worker import RefitWorkerExtension
+
+_SYS_ARCH_PRCTL = 158  # x86_64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def request_amx() -> bool:
+    """Ask the kernel to let this process use AMX tiles; whether it agreed."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+
+
+request_amx()
+
+
+class AmxRefitWorkerExtension(RefitWorkerExtension):
+    """asyncrefit's worker extension, loaded from a module that asked for AMX."""
+
+
+#: ``worker_extension_cls`` for a bfloat16 CPU engine.
+EXTENSION = f"{__name__}.{AmxRefitWorkerExtension.__name__}"
