@@ -447,3 +447,36 @@ async def test_cancel_at_every_scheduling_point(mode: str) -> None:
                 assert all(holds(w, full) for w in workers)
                 k += 1
             assert k >= 10
+
+
+async def test_a_conversion_that_gathers_is_driven_through_every_bucket_without_workers() -> None:
+    """``gathers=True`` (a rank whose conversion all-gathers): every bucket is asked for,
+    in plan order, from a source that serves no worker too."""
+    from asyncrefit import ParamSpec
+
+    specs = [ParamSpec(name=f"p{i}", shape=(64,), dtype="float32") for i in range(8)]
+    asked: dict[str, list[list[str]]] = {"served": [], "idle": []}
+
+    def feed(which: str) -> Callable[[Sequence[str]], Iterator[tuple[str, torch.Tensor]]]:
+        def tensors(names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            asked[which].append(list(names))
+            for n in names:
+                yield n, torch.full((64,), float(int(n[1:])))
+
+        return tensors
+
+    served = ConvertingSource(specs, feed("served"), devices=["cpu:0"], gathers=True)
+    idle = ConvertingSource(specs, feed("idle"), devices=["cpu:1"], gathers=True)
+    assert (await idle.describe()).gathers
+    worker = FakeWorker(
+        name="w", device=cpu_device(0), parameters={s.name: torch.zeros(64) for s in specs}
+    )
+    async with RefitCoordinator(
+        trainer=[served, idle], workers=[worker], budget_bytes=1024, bucket_bytes=512
+    ) as refit:
+        await refit.push(1)
+        assert refit.plan is not None and len(refit.plan.buckets) == 4
+    assert asked["idle"] == asked["served"] == [[f"p{2 * b}", f"p{2 * b + 1}"] for b in range(4)]
+    assert all(
+        torch.equal(worker.parameters[f"p{i}"], torch.full((64,), float(i))) for i in range(8)
+    )

@@ -245,8 +245,9 @@ class ConvertingSource(_SlotSource):
 
     With several trainer ranks, each rank's source runs its own conversion; a gather
     in it is a collective, so every rank must be asked for the same buckets in the
-    same order: give every rank a worker to serve (the coordinator exports a bucket
-    only from the sources that serve a worker).
+    same order: pass ``gathers=True`` on every rank, and the coordinator drives each
+    rank's source through every bucket, in plan order, also when it serves no worker
+    (see :class:`~asyncrefit.SourceInfo`).
 
     Resource handling: slots are allocated by ``prepare`` and freed by ``aclose``, off
     the event loop and after a pack still running, also when ``aclose`` is cancelled.
@@ -270,8 +271,9 @@ class ConvertingSource(_SlotSource):
         devices: Iterable[DeviceId | str] | None = None,
         node: str | None = None,
         name: str = "trainer",
+        gathers: bool = False,
     ) -> None:
-        self._setup(specs, _PerBucket(tensors), exporter, devices, node, name)
+        self._setup(specs, _PerBucket(tensors), exporter, devices, node, name, gathers)
 
     @classmethod
     def from_stream(
@@ -285,6 +287,7 @@ class ConvertingSource(_SlotSource):
         devices: Iterable[DeviceId | str] | None = None,
         node: str | None = None,
         name: str = "trainer",
+        gathers: bool = False,
     ) -> ConvertingSource:
         """A source over ``weights()``, a generator of ``(name, tensor)`` for the whole
         model (``lambda: bridge.export_hf_weights(model, cpu=False)``), unchanged.
@@ -306,7 +309,8 @@ class ConvertingSource(_SlotSource):
         worker failed while loading) the next push or ``aclose`` closes it.
         """
         source = cls.__new__(cls)
-        source._setup(specs, _Stream(weights, skip, lookahead_bytes), exporter, devices, node, name)
+        feed = _Stream(weights, skip, lookahead_bytes)
+        source._setup(specs, feed, exporter, devices, node, name, gathers)
         return source
 
     def _setup(
@@ -317,8 +321,10 @@ class ConvertingSource(_SlotSource):
         devices: Iterable[DeviceId | str] | None,
         node: str | None,
         name: str,
+        gathers: bool,
     ) -> None:
         super().__init__(devices=devices, node=node, name=name)
+        self._gathers = gathers
         self._init_slots(exporter)
         self._spec_source = specs
         self._feed = feed
