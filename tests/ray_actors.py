@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -208,6 +209,116 @@ class TrainerActor(RefitTrainerMixin):
     async def digests(self) -> dict[str, str]:
         await anyio.lowlevel.checkpoint()
         return {n: tensor_digest(p) for n, p in self.model.named_parameters()}
+
+    async def pid(self) -> int:
+        await anyio.lowlevel.checkpoint()
+        return os.getpid()
+
+
+class ShardedTrainerActor(RefitTrainerMixin):
+    """One rank of an FSDP2 trainer: a transformer sharded with ``fully_shard`` (fp32).
+
+    The driver forms the ranks' process group (``init_trainer_group``), then calls
+    :meth:`setup` on every rank. Training steps, the gathered digests and the ranks'
+    exports are collectives: the driver calls them on every rank concurrently.
+    """
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.exports: list[tuple[int, int, float, str | None]] = []
+        self.hang_at: int | None = None
+        self.reached_hang: anyio.Event | None = None
+
+    async def setup(self, devices: list[str], gather_timeout: float) -> bool:
+        """Shard the model over the group's ranks; publish it. Returns ``gathers``."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from .sharded import TinyTransformer, make_transformer
+
+        await anyio.lowlevel.checkpoint()
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        model = make_transformer()
+        assert isinstance(model, TinyTransformer)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # No sharded=...: the DTensor parameters make it a rank's source.
+        self.init_refit_source(model, devices=devices, gather_timeout=gather_timeout)
+        self.reached_hang = anyio.Event()
+        return (await self.refit_source.describe()).gathers
+
+    async def train_step(self, step: int) -> float:
+        """A real optimizer step (FSDP2's collectives: call it on every rank at once)."""
+        from torch.nn import functional as F
+
+        from .sharded import VOCAB
+
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None
+
+        def run() -> float:
+            gen = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, VOCAB, (4, 16), generator=gen)
+            logits = model(tokens)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad()
+            return float(loss.detach())
+
+        return await anyio.to_thread.run_sync(run)
+
+    async def gathered_digests(self) -> dict[str, str]:
+        """Every parameter's full value, cast to bf16, digested (a collective: all ranks)."""
+        model = self.model
+        assert model is not None
+
+        def run() -> dict[str, str]:
+            return {
+                name: tensor_digest(p.full_tensor().to(torch.bfloat16))  # type: ignore[attr-defined]
+                for name, p in model.named_parameters()
+            }
+
+        return await anyio.to_thread.run_sync(run)
+
+    async def hang_export_at(self, bucket: int) -> None:
+        """Make the export of ``bucket`` hang before it gathers (a rank stuck mid-push)."""
+        await anyio.lowlevel.checkpoint()
+        self.hang_at = bucket
+
+    async def wait_for_hang(self) -> None:
+        assert self.reached_hang is not None
+        await self.reached_hang.wait()
+
+    async def refit_source_export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        if self.hang_at == bucket.index:
+            assert self.reached_hang is not None
+            self.reached_hang.set()
+            await anyio.sleep_forever()
+        start = time.monotonic()
+        try:
+            handles = await super().refit_source_export(bucket, slot, devices)
+        except Exception as exc:
+            self.exports.append((bucket.index, len(devices), time.monotonic() - start, repr(exc)))
+            raise
+        self.exports.append((bucket.index, len(devices), time.monotonic() - start, None))
+        return handles
+
+    async def export_log(self) -> list[tuple[int, int, float, str | None]]:
+        """(bucket, devices asked for, seconds, error) of every export, in the order run."""
+        await anyio.lowlevel.checkpoint()
+        return list(self.exports)
+
+    async def clear_export_log(self) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.exports.clear()
 
     async def pid(self) -> int:
         await anyio.lowlevel.checkpoint()

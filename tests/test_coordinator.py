@@ -19,7 +19,9 @@ from asyncrefit import (
     Plan,
     PushError,
     RefitCoordinator,
+    SourceDiedError,
     SourceInfo,
+    SourceRemoteError,
     TransmittingSource,
     UnknownDeviceError,
     UnknownWorkerError,
@@ -30,6 +32,7 @@ from asyncrefit import (
     WorkerTimeoutError,
     cpu_device,
 )
+from asyncrefit.transport import Handle
 
 from .fakes import FakeWorker, Faults
 from .helpers import own_segments, step
@@ -513,3 +516,53 @@ async def test_specs_of_the_wrong_type_are_a_protocol_error_naming_the_worker() 
     with pytest.raises(WorkerProtocolError, match=r"'bad'.*item 0 is a dict, not a ParamSpec"):
         async with RefitCoordinator(trainer=model, workers=[good, bad], budget_bytes=64 * KIB):
             pass
+
+
+# --- the ranks of a sharded trainer: one failing does not cut the others off ---------------
+
+
+class FailingRank(LocalTrainer):
+    """A rank of a sharded trainer (in process) whose export of bucket 1 fails as told."""
+
+    _gathers = True
+
+    def __init__(self, model: torch.nn.Module, device: DeviceId, name: str, how: str) -> None:
+        super().__init__(model, devices=[device], node=device.node, name=name)
+        self.how = how
+        self.started: list[int] = []
+        self.ended: list[int] = []
+
+    async def export(
+        self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
+    ) -> tuple[Handle, ...]:
+        self.started.append(bucket.index)
+        if bucket.index == 1:
+            if self.how == "gather-failed":  # at once: the peer it gathers with is gone
+                self.ended.append(1)
+                raise SourceRemoteError(self.name, "PackError", "gathering: peer closed")
+            await anyio.sleep(0.3)  # the rank's death is noticed later than its peer's error
+            self.ended.append(1)
+            raise SourceDiedError(self.name, "the actor died")
+        handles = await super().export(bucket, slot, devices)
+        self.ended.append(bucket.index)
+        return handles
+
+
+async def test_a_rank_that_died_is_the_cause_not_its_peers_failed_gather() -> None:
+    model = make_mlp()
+    ranks = [
+        FailingRank(model, cpu_device(0), "rank-0", "gather-failed"),
+        FailingRank(model, cpu_device(1), "rank-1", "died"),
+    ]
+    workers = fakes(model, 2)
+    async with RefitCoordinator(trainer=ranks, workers=workers, budget_bytes=64 * KIB) as refit:
+        assert refit.plan is not None and len(refit.plan.buckets) > 2
+        with pytest.raises(PushError) as err:
+            await refit.push(1)
+        # rank-0 failed first, but rank-1's export was seen through: its death is the cause
+        assert isinstance(err.value.cause, SourceDiedError) and err.value.cause.source == "rank-1"
+        for rank in ranks:
+            assert rank.ended == [0, 1], rank.name
+            assert rank.started == [0, 1], rank.name  # no rank began bucket 2
+        assert refit.statistics().in_use == 0
+    assert own_segments() == []

@@ -28,6 +28,7 @@ from ._exceptions import (
     PeerWorkerError,
     PlanError,
     PushError,
+    SourceDiedError,
     SourceTimeoutError,
     TransportError,
     WorkerDiedError,
@@ -679,10 +680,11 @@ class RefitCoordinator:
                     )
                 handles.update(zip(devices, exported, strict=True))
 
-            try:
-                await self._export_all(topology, bucket, export)
-            finally:
-                exported.set()
+            await self._export_all(topology, bucket, export)
+            # Only a bucket exported everywhere lets the next one begin: after a failure
+            # the push is over (the group cancels the tasks waiting here), and no source
+            # starts the next bucket (a rank would gather it for nothing).
+            exported.set()
             account.pack += time.perf_counter() - t
 
             t = time.perf_counter()
@@ -716,6 +718,10 @@ class RefitCoordinator:
         With the ranks of a sharded trainer among them, a bucket whose exports began
         is seen through on every rank (shielded from cancellation, bounded by the
         timeout): a rank left out of a gather would leave the others waiting in it.
+        One rank failing does not stop the others' exports either; once they all
+        ended, a rank that died is the error raised (before the other ranks' failed
+        gathers, which it caused), then one still exporting at the timeout, then the
+        first other failure.
         """
         if not topology.gathers:
             async with anyio.create_task_group() as tg:
@@ -723,9 +729,13 @@ class RefitCoordinator:
                     tg.start_soon(export, source)
             return
         pending = set(topology.used_sources)
+        failed: list[Exception] = []
 
         async def one(source: int) -> None:
-            await export(source)
+            try:
+                await export(source)
+            except Exception as exc:
+                failed.append(exc)
             pending.discard(source)
 
         with anyio.CancelScope(shield=True):
@@ -733,6 +743,9 @@ class RefitCoordinator:
                 async with anyio.create_task_group() as tg:
                     for source in topology.used_sources:
                         tg.start_soon(one, source)
+            died = [e for e in failed if isinstance(e, SourceDiedError)]
+            if died:
+                raise died[0]
             if pending:
                 names = ", ".join(repr(topology.infos[i].name) for i in sorted(pending))
                 raise SourceTimeoutError(
@@ -740,6 +753,8 @@ class RefitCoordinator:
                     f"bucket {bucket.index} was not exported within {self._timeout} s "
                     f"(still exporting: {names})",
                 )
+            if failed:
+                raise failed[0]
 
     async def _load_one(
         self, member: Member, version: int, bucket: int, handles: tuple[Handle, ...], slot: int

@@ -6,8 +6,10 @@ Ray; importing this package does.
 - :class:`RefitWorkerMixin`: inherit it in your inference actor (the one that owns
   your engine or module); :class:`RayWorker` wraps the actor's handle for the
   coordinator.
-- :class:`RefitTrainerMixin`: inherit it in a trainer actor (one per shard or device);
-  :class:`RayTrainerSource` wraps its handle.
+- :class:`RefitTrainerMixin`: inherit it in a trainer actor (one per shard or device,
+  or one per rank of a sharded trainer); :class:`RayTrainerSource` wraps its handle.
+- :func:`init_trainer_group`: form the ``torch.distributed`` group of a sharded
+  trainer's rank actors from the driver (:func:`destroy_trainer_group` ends it).
 
 The coordinator awaits the actors' ``ObjectRef``\\ s on its own loop; every actor
 method runs on the actor's own loop and returns a plain value. Device identity is
@@ -32,6 +34,9 @@ from ._cluster import ray_device as ray_device
 from ._cluster import sweep_cluster_segments as sweep_cluster_segments
 from ._cluster import sweep_node_segments as sweep_node_segments
 from ._errors import AwaitableReturnedError as AwaitableReturnedError
+from ._group import TrainerGroup as TrainerGroup
+from ._group import destroy_trainer_group as destroy_trainer_group
+from ._group import init_trainer_group as init_trainer_group
 from ._trainer import RayTrainerSource as RayTrainerSource
 from ._trainer import RefitTrainerMixin as RefitTrainerMixin
 from ._worker import RayWorker as RayWorker
@@ -46,10 +51,13 @@ __all__ = (
     "SourceDiedError",
     "SourceError",
     "SourceRemoteError",
+    "TrainerGroup",
     "as_source",
     "as_worker",
     "as_workers",
     "current_node_id",
+    "destroy_trainer_group",
+    "init_trainer_group",
     "is_actor_handle",
     "ray_device",
     "sweep_cluster_segments",

@@ -5,18 +5,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 
 from .._device import DeviceId
 from .._exceptions import AsyncRefitError, SourceDiedError, SourceError, SourceRemoteError
-from .._trainer import LocalTrainer
+from .._trainer import LocalTrainer, NamesLike, TensorsLike
+from .._trainer import _reader as reader
 from .._worker import SourceInfo
 from ..transport._base import Handle
 from ._cluster import current_node_id, sweep_node_segments
 from ._errors import source_errors
+from ._group import GROUP_METHODS, GroupProbe, TrainerGroup, join, leave, probe
+from ._order import BucketTurns
 from ._worker import (
     check_actor_methods,
     check_async_methods,
@@ -25,8 +28,6 @@ from ._worker import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from .._plan import Bucket, Plan
     from ..transport._base import Exporter
 
@@ -41,11 +42,24 @@ TRAINER_METHODS = (
 )
 
 
+def holds_dtensors(parameters: TensorsLike) -> bool:
+    """Whether any of ``parameters`` (a module, a mapping, or a callable returning one,
+    which is called once) is a ``DTensor``: a rank of a sharded trainer."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in reader(parameters)().values())
+
+
 class RefitTrainerMixin:
     """Makes a Ray async actor a trainer shard that asyncrefit pushes from.
 
-    Inherit it in your trainer actor class and call :meth:`init_refit_source` from
-    ``__init__`` with the parameters to publish::
+    Inherit it in your trainer actor class and call :meth:`init_refit_source` with the
+    parameters to publish (from ``__init__``, or from a set-up method once the model
+    is built)::
 
         class Trainer(RefitTrainerMixin):
             def __init__(self) -> None:
@@ -64,16 +78,34 @@ class RefitTrainerMixin:
     devices) are routed to it. Give several shards (one per device, or per node)
     to one coordinator: each worker is served by the shard on its own device.
 
+    A rank of a sharded trainer (FSDP2 ``fully_shard``, tensor parallel: its
+    parameters are ``DTensor``\\ s) is served by a :class:`~asyncrefit.trainer.DTensorSource`
+    instead: one trainer actor per rank, their process group formed by
+    :func:`~asyncrefit.ray.init_trainer_group`. The coordinator then drives every
+    rank's actor through every bucket in plan order, also a rank that serves no
+    worker, and each rank gathers the bucket into its slot. Exports run on the actor
+    in bucket order, whatever order Ray runs its calls in, so the ranks' gathers meet.
+
     Resource handling: packing runs in a thread, so the actor's loop keeps running
     (do not step the optimizer while a push is running). Slots are created by
     ``refit_source_prepare`` and unlinked by ``refit_source_close`` (the coordinator
-    calls it on exit) or when the actor exits gracefully. A killed actor's segments
-    are removed by :class:`RayTrainerSource` when it finds the actor dead, and by any
-    later exporter on that node (segment names carry the dead process's pid).
+    calls it on exit) or when the actor exits gracefully, which also destroys a
+    process group joined through :func:`~asyncrefit.ray.init_trainer_group`. A killed
+    actor's segments are removed by :class:`RayTrainerSource` when it finds the actor
+    dead, and by any later exporter on that node (segment names carry the dead
+    process's pid).
+
+    Error handling: an export that waited for its bucket's turn when a new push began
+    (or the source closed) raises :class:`~asyncrefit.AsyncRefitError`; a rank whose
+    gather failed (a peer died or hangs) raises :class:`~asyncrefit.PackError` within
+    the gather timeout (a :class:`~asyncrefit.SourceRemoteError` to the coordinator,
+    which names a rank that died as the push's cause before its peers' failures).
     """
 
     _refit_source_: LocalTrainer | None = None
-    _refit_trainer_methods: ClassVar[tuple[str, ...]] = TRAINER_METHODS
+    _refit_exports_: BucketTurns | None = None
+    _refit_in_group_: bool = False
+    _refit_trainer_methods: ClassVar[tuple[str, ...]] = TRAINER_METHODS + GROUP_METHODS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -81,35 +113,89 @@ class RefitTrainerMixin:
 
     def init_refit_source(
         self,
-        parameters: torch.nn.Module
-        | Mapping[str, torch.Tensor]
-        | Callable[[], Mapping[str, torch.Tensor]],
+        parameters: TensorsLike,
         *,
         devices: Iterable[str | DeviceId] | None = None,
         exporter: Exporter | None = None,
-        name: str = "trainer",
+        name: str | None = None,
+        names: NamesLike | None = None,
+        sharded: bool | None = None,
+        gather_timeout: float | None = None,
+        node: str | None = None,
     ) -> None:
         """Publish ``parameters`` (read afresh at every push) from this actor's node.
 
         ``devices`` limits the devices this shard serves (names such as ``"cpu:0"``
         or GPU UUIDs; default every device on the node). ``exporter`` picks the
-        transport (default shared memory).
+        transport (default shared memory). ``names`` maps the trainer's parameter
+        names to the engine's (a :class:`~asyncrefit.NameMap` such as
+        :func:`~asyncrefit.strip_wrappers`, or a callable). ``name`` names the source
+        in its own errors (default ``"trainer"``, or ``"rank-<rank>"`` for a rank).
+        ``node`` is the node the slots live on (default this actor's Ray node id).
+
+        ``sharded`` picks the source: by default a rank of a sharded trainer (some
+        parameter is a ``DTensor``; a callable is called once to look) is served by a
+        :class:`~asyncrefit.trainer.DTensorSource`, anything else by a
+        :class:`~asyncrefit.LocalTrainer`. ``sharded=True`` asks for a rank's source
+        whatever the parameters are now (the model is sharded later, or this rank
+        holds only plain tensors but must take part in every bucket), ``False`` for a
+        plain one (a ``DTensor`` is then refused here). ``gather_timeout`` bounds each
+        gather of a rank (default 60 s; keep it below the coordinator's ``timeout``).
+
+        Error handling: ``ValueError`` for ``gather_timeout`` on a source that is
+        not a rank's, or for ``sharded=False`` over ``DTensor`` parameters.
         """
-        self._refit_source_ = LocalTrainer(
-            parameters, exporter=exporter, devices=devices, node=current_node_id(), name=name
-        )
+        if sharded is None:
+            sharded = holds_dtensors(parameters)
+        elif not sharded and holds_dtensors(parameters):
+            raise ValueError(
+                "sharded=False, but some parameters are DTensors: a plain source cannot "
+                "pack them (leave sharded unset)"
+            )
+        if gather_timeout is not None and not sharded:
+            raise ValueError("gather_timeout applies to a sharded trainer's rank only")
+        where = node if node is not None else current_node_id()
+        if sharded:
+            from ..trainer import DTensorSource
+
+            self._refit_source_ = DTensorSource(
+                parameters,
+                exporter=exporter,
+                devices=devices,
+                node=where,
+                name=name,
+                names=names,
+                timeout=60.0 if gather_timeout is None else gather_timeout,
+            )
+        else:
+            self._refit_source_ = LocalTrainer(
+                parameters,
+                exporter=exporter,
+                devices=devices,
+                node=where,
+                name="trainer" if name is None else name,
+                names=names,
+            )
 
     @property
     def refit_source(self) -> LocalTrainer:
-        """The in-actor trainer source."""
+        """The in-actor trainer source (a :class:`~asyncrefit.trainer.DTensorSource` for a rank)."""
         if self._refit_source_ is None:
             raise AsyncRefitError(
                 f"{type(self).__name__}.init_refit_source(...) was not called in __init__"
             )
         return self._refit_source_
 
+    def _refit_export_order(self) -> BucketTurns:
+        if self._refit_exports_ is None:
+            self._refit_exports_ = BucketTurns("an export")
+        return self._refit_exports_
+
     async def refit_source_describe(self) -> SourceInfo:
-        return await self.refit_source.describe()
+        """Describe the source; the start of a push: its exports begin at bucket 0."""
+        source = self.refit_source
+        await self._refit_export_order().restart()
+        return await source.describe()
 
     async def refit_source_prepare(
         self, plan: Plan, slots: int, slot_bytes: int, checksum: bool = False
@@ -121,15 +207,42 @@ class RefitTrainerMixin:
     async def refit_source_export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
     ) -> tuple[Handle, ...]:
-        return await self.refit_source.export(bucket, slot, devices)
+        """Pack ``bucket`` (after this push's bucket before it); one handle per device.
+
+        ``devices`` may be empty: a rank that serves no worker still gathers.
+        """
+        source = self.refit_source
+        async with self._refit_export_order().turn(bucket.index):
+            return await source.export(bucket, slot, devices)
 
     async def refit_source_close(self) -> None:
-        await self.refit_source.aclose()
+        source = self.refit_source
+        await self._refit_export_order().restart()  # exports still waiting give up
+        await source.aclose()
+
+    # --- the trainers' process group (see init_trainer_group) ---------------------------
+
+    async def refit_group_probe(self) -> GroupProbe:
+        """This node's address, a free port on it, and whether this process is in a group."""
+        await anyio.lowlevel.checkpoint()
+        return probe()
+
+    async def refit_group_join(self, rank: int, group: TrainerGroup, group_timeout: float) -> None:
+        """Join ``group`` as ``rank`` (in a thread: it blocks until every rank joined)."""
+        await anyio.to_thread.run_sync(join, rank, group, group_timeout)
+        self._refit_in_group_ = True
+
+    async def refit_group_leave(self) -> None:
+        """Destroy this process's default group (if it has one)."""
+        await anyio.to_thread.run_sync(leave)
+        self._refit_in_group_ = False
 
     def __ray_shutdown__(self) -> None:
         # Ray calls this on a graceful exit, after pending tasks (not when killed).
         if self._refit_source_ is not None:
             self._refit_source_.exporter.close()
+        if self._refit_in_group_:
+            leave()
         parent = getattr(super(), "__ray_shutdown__", None)
         if parent is not None:
             parent()
@@ -154,7 +267,8 @@ class RayTrainerSource:
 
     Error handling: the actor dying raises :class:`SourceDiedError` naming it (during
     a push the coordinator raises :class:`~asyncrefit.PushError` with it as the
-    cause, after aborting the workers); an error inside the actor raises
+    cause, after aborting the workers; also when it was a rank of a sharded trainer
+    whose peers' gathers failed first); an error inside the actor raises
     :class:`SourceRemoteError`. :meth:`aclose` logs errors instead of raising.
     """
 

@@ -15,6 +15,7 @@ from .._plan import ParamSpec
 from .._receiver import ParameterReceiver
 from ._cluster import current_node_id
 from ._errors import AwaitableReturnedError, worker_errors
+from ._order import BucketTurns
 
 if TYPE_CHECKING:
     import torch
@@ -111,9 +112,7 @@ class RefitWorkerMixin:
     _refit_limiter_: anyio.CapacityLimiter | None = None
     # Loads are taken in bucket order: Ray may run an async actor's calls in any order,
     # and a transport that streams buckets (a broadcast) must receive them in order.
-    _refit_turn_: anyio.Condition | None = None
-    _refit_next_: int = 0
-    _refit_epoch_: int = 0
+    _refit_turns_: BucketTurns | None = None
     _refit_method_names: ClassVar[tuple[str, ...]] = WORKER_METHODS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -160,18 +159,14 @@ class RefitWorkerMixin:
             )
         return self._refit_receiver_
 
-    def _refit_order(self) -> anyio.Condition:
-        if self._refit_turn_ is None:
-            self._refit_turn_ = anyio.Condition()
-        return self._refit_turn_
+    def _refit_order(self) -> BucketTurns:
+        if self._refit_turns_ is None:
+            self._refit_turns_ = BucketTurns("a load")
+        return self._refit_turns_
 
     async def _refit_restart_order(self) -> None:
         """A new push (or an abort): bucket 0 is next; loads still waiting give up."""
-        turn = self._refit_order()
-        async with turn:
-            self._refit_next_ = 0
-            self._refit_epoch_ += 1
-            turn.notify_all()
+        await self._refit_order().restart()
 
     def _refit_sync(self) -> tuple[anyio.Lock, anyio.CapacityLimiter]:
         # Made on first use, on the actor's loop (``__init__`` may run elsewhere).
@@ -221,27 +216,10 @@ class RefitWorkerMixin:
         """Copy one bucket (in a thread); returns once every view of the buffer is dropped."""
         lock, limiter = self._refit_sync()
         receiver = self.refit_receiver
-        turn = self._refit_order()
-        epoch = self._refit_epoch_
-        async with turn:
-            while self._refit_next_ != bucket:
-                if self._refit_epoch_ != epoch:
-                    raise AsyncRefitError(
-                        f"bucket {bucket} of version {version} waited for its turn, "
-                        "but the push was aborted"
-                    )
-                await turn.wait()
-        try:
-            async with lock:
-                return await anyio.to_thread.run_sync(
-                    receiver.load, version, bucket, handles, limiter=limiter
-                )
-        finally:
-            with anyio.CancelScope(shield=True):
-                async with turn:
-                    if self._refit_epoch_ == epoch:
-                        self._refit_next_ = bucket + 1  # also after a failure: fail fast
-                    turn.notify_all()
+        async with self._refit_order().turn(bucket, version), lock:
+            return await anyio.to_thread.run_sync(
+                receiver.load, version, bucket, handles, limiter=limiter
+            )
 
     async def refit_commit(self, version: int, buckets: int) -> None:
         lock, _ = self._refit_sync()
