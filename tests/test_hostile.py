@@ -110,7 +110,11 @@ async def scenario(
         "too_small": largest - 1,
     }[budget]
     expected: type[Exception] | None = None
-    if budget == "too_small" and largest > 1:
+    if how == "dtype":
+        # Dtypes decide the sizes a plan needs: a dtype mismatch is found before the
+        # budget is checked against the plan.
+        expected = ParameterMismatchError
+    elif budget == "too_small" and largest > 1:
         expected = BudgetTooSmallError
     elif bad_name is not None:
         expected = ParameterMismatchError
