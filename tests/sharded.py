@@ -10,7 +10,6 @@ coordinator ends the push. After its last step it serves until the coordinator c
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +71,6 @@ def make_wide_transformer_bf16() -> torch.nn.Module:
     return make_transformer(256).to(torch.bfloat16)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass(frozen=True)
 class RankPlan:
     """What a rank process does."""
@@ -103,28 +95,13 @@ def _digests(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def _rss() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, in bytes."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
-
 def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from asyncrefit import cpu_device
+    from asyncrefit._bench import reset_peak_rss, rss_bytes
     from asyncrefit.trainer import DTensorSource, RankServer, rank_path
 
     torch.set_num_threads(1)
@@ -168,10 +145,10 @@ def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
                     expected = _digests(model)
                     if rank == 0:
                         results.put(("expected", step, expected))
-                    _reset_peak()
-                    before, _ = _rss()
+                    reset_peak_rss()
+                    before, _ = rss_bytes()
                     outcome = await server.serve_push()
-                    _, peak = _rss()
+                    _, peak = rss_bytes()
                     results.put(("peak", rank, step, peak - before))
                     if outcome.closed:
                         results.put(("closed", rank, step))

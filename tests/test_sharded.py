@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from asyncrefit import PushError, RefitCoordinator, SourceDiedError
+from asyncrefit._bench import free_port
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.trainer import RankSource, rank_path
 from asyncrefit.transport.shm import list_segments
@@ -27,7 +28,6 @@ from asyncrefit.transport.shm import list_segments
 from .sharded import (
     LAYOUTS,
     RankPlan,
-    free_port,
     layouts_main,
     make_transformer_bf16,
     make_wide_transformer_bf16,
