@@ -17,6 +17,8 @@ import anyio
 import torch
 from torch.nn import functional as F
 
+from asyncrefit._bench import free_port
+
 VOCAB = 97  # odd: lm_head's and the embedding's rows split 49 + 48 over two ranks
 
 
@@ -208,3 +210,82 @@ def layouts_main(rank: int, world: int, port: int, results: Any) -> None:
             results.put(("refused", rank, None))
     finally:
         dist.destroy_process_group()
+
+
+def make_transformer_bf16_on(device: str) -> torch.nn.Module:
+    """The engine's bf16 copy on ``device`` (``"cpu"`` or ``"cuda"``)."""
+    return make_transformer_bf16().to(device)
+
+
+def one_rank_main(device: str, results: Any) -> None:
+    """A world of one rank: FSDP2 over a mesh of size 1 on ``device``, pushed twice.
+
+    gloo on the CPU (shared memory), NCCL on a GPU (CUDA IPC); the fp32 parameters go
+    cast to bf16 into one local worker process. No collective may run: a mesh of one
+    rank has nothing to gather. Reports ``("one-rank", version, equal, bytes)`` per
+    push, or ``("error", text)``.
+    """
+    import functools
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncrefit import DeviceId, RefitCoordinator, cpu_device
+    from asyncrefit._exceptions import AsyncRefitError
+    from asyncrefit._receiver import tensor_digest
+    from asyncrefit.local import spawn_local_workers
+    from asyncrefit.trainer import DTensorSource, _gather
+    from asyncrefit.transport._base import Exporter
+
+    def no_collective(*args: Any, **kwargs: Any) -> None:
+        raise AsyncRefitError("a mesh of one rank ran a collective")
+
+    _gather._all_gather = no_collective
+    try:
+        backend = "gloo" if device == "cpu" else "nccl"
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh(device, (1,))
+            model = make_transformer().to(device)
+            assert isinstance(model, TinyTransformer)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            exporter: Exporter | None = None
+            dev: DeviceId = cpu_device(0)
+            if device != "cpu":
+                from asyncrefit.transport.cuda_ipc import CudaIpcExporter
+
+                cuda = CudaIpcExporter(0)
+                exporter, dev = cuda, cuda.device_id
+            source = DTensorSource(model, exporter=exporter, devices=[dev], timeout=10)
+            factory = functools.partial(make_transformer_bf16_on, device)
+
+            async def push() -> None:
+                async with spawn_local_workers(factory, 1, devices=[dev]) as workers:
+                    async with RefitCoordinator(
+                        trainer=source, workers=workers, budget_bytes=64 << 10
+                    ) as refit:
+                        for version in (1, 2):
+                            with torch.no_grad():
+                                for p in model.parameters():
+                                    p.to_local().mul_(1.5)  # type: ignore[attr-defined]
+                            report = await refit.push(version)
+                            expected = {
+                                name: tensor_digest(
+                                    p.to_local().to(torch.bfloat16)  # type: ignore[attr-defined]
+                                )
+                                for name, p in model.named_parameters()
+                            }
+                            got = await workers[0].parameter_digests()
+                            results.put(("one-rank", version, got == expected, report.bytes))
+
+            anyio.run(push)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+        raise
