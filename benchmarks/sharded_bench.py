@@ -26,7 +26,12 @@ the trainer's (the ranks gather the full tensors and cast them for that). Inside
 rank: the time its source spent packing (gather incl. cast, per bucket, summed) and
 its peak extra resident memory during a push (``VmHWM`` after ``clear_refs``, less
 ``VmRSS`` before), against the bound budget + the largest fp32 tensor. The first push
-also maps the staging slots (the budget); later pushes reuse them.
+also maps the staging slots (the budget); later pushes reuse them. glibc's allocator
+keeps freed blocks, so resident peaks include temporaries of earlier buckets that it
+did not hand back; ``--rank-mmap-threshold BYTES`` starts the ranks with
+``MALLOC_MMAP_THRESHOLD_`` (blocks above it go back to the system when freed), so the
+peaks show live memory. ``--threads`` sets torch's threads of this process (the plain
+trainer's packing, memcpy); each rank packs with one.
 """
 
 from __future__ import annotations
@@ -125,6 +130,7 @@ class RankConfig:
     directory: str
     size_mib: int
     pushes: int
+    mmap_threshold: int | None = None  # glibc's MALLOC_MMAP_THRESHOLD_ for the ranks
 
 
 class TimedDTensorSource(DTensorSource):
@@ -202,13 +208,14 @@ def rank_main(rank: int, config: RankConfig, results: Any) -> None:
                     start = time.perf_counter()
                     outcome = await server.serve_push()
                     serve_seconds = time.perf_counter() - start
-                    _, peak = rss_bytes()
+                    after, peak = rss_bytes()
                     stats = {
                         "pack_seconds": source.pack_seconds,
                         "packs": source.packs,
                         "serve_seconds": serve_seconds,
                         "extra_bytes": peak - before,
                         "rss_bytes": before,
+                        "rss_after_bytes": after,
                     }
                     results.put(("push", rank, push, stats))
                     if outcome.closed:
@@ -260,8 +267,17 @@ def rank_processes(config: RankConfig) -> Iterator[tuple[list[Any], Inbox]]:
         context.Process(target=rank_main, args=(r, config, results), daemon=True)
         for r in range(RANKS)
     ]
-    for p in processes:
-        p.start()
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    try:
+        if config.mmap_threshold is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(config.mmap_threshold)
+        for p in processes:
+            p.start()  # spawned: a fresh interpreter, with this environment
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     try:
         yield processes, Inbox(results)
     finally:
@@ -348,11 +364,16 @@ async def run_sharded(
     budget: int,
     repeats: int,
     say: Any,
+    mmap_threshold: int | None = None,
 ) -> dict[str, Any]:
     """The fp32 set as FSDP2 shards on 2 gloo rank processes, this process coordinating."""
     with tempfile.TemporaryDirectory() as directory:
         config = RankConfig(
-            port=free_port(), directory=directory, size_mib=size_mib, pushes=1 + repeats
+            port=free_port(),
+            directory=directory,
+            size_mib=size_mib,
+            pushes=1 + repeats,
+            mmap_threshold=mmap_threshold,
         )
         with rank_processes(config) as (processes, inbox):
             casts = sorted([await inbox.take("cast") for _ in range(RANKS)])
@@ -395,8 +416,33 @@ async def run_sharded(
     return result
 
 
-async def run_bench(size_mib: int, repeats: int, say: Any = progress_line) -> dict[str, Any]:
-    """The whole benchmark once; a JSON-ready dict."""
+async def run_bench(
+    size_mib: int,
+    repeats: int,
+    *,
+    threads: int | None = None,
+    mmap_threshold: int | None = None,
+    say: Any = progress_line,
+) -> dict[str, Any]:
+    """The whole benchmark once; a JSON-ready dict.
+
+    ``threads`` sets torch's intra-op threads of this process (the plain trainer's
+    packing and memcpy) for the run; the ranks use one each. ``mmap_threshold`` sets
+    glibc's ``MALLOC_MMAP_THRESHOLD_`` in the rank processes: allocations above it are
+    returned to the system when freed, so the resident peak shows live memory only.
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return await _run_bench(size_mib, repeats, mmap_threshold, say)
+    finally:
+        torch.set_num_threads(before)
+
+
+async def _run_bench(
+    size_mib: int, repeats: int, mmap_threshold: int | None, say: Any
+) -> dict[str, Any]:
     import datetime
 
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -417,11 +463,16 @@ async def run_bench(size_mib: int, repeats: int, say: Any = progress_line) -> di
         functools.partial(engine_model, size_mib), 2, devices=["cpu:0", "cpu:1"]
     ) as workers:
         say("sharded fp32: starting 2 rank processes")
-        sharded = await run_sharded(size_mib, workers, bucket, budget, repeats, say)
+        sharded = await run_sharded(size_mib, workers, bucket, budget, repeats, say, mmap_threshold)
         say("plain bf16 module")
         plain = await run_plain(size_mib, workers, bucket, budget, repeats)
     extra_later = max(r["extra_bytes"] for push in sharded["ranks"] for r in push)
     extra_first = max(r["extra_bytes"] for r in sharded["warmup_ranks"])
+    last = sharded["ranks"][-1]
+    kept = max(
+        r["rss_after_bytes"] - w["rss_bytes"]
+        for r, w in zip(last, sharded["warmup_ranks"], strict=True)
+    )
     return {
         "date": date,
         "machine": machine,
@@ -442,6 +493,8 @@ async def run_bench(size_mib: int, repeats: int, say: Any = progress_line) -> di
         "memory_bound_bytes": budget + largest,
         "peak_extra_first_push_bytes": extra_first,
         "peak_extra_later_pushes_bytes": extra_later,
+        "rank_rss_growth_bytes": kept,
+        "rank_mmap_threshold": mmap_threshold,
         "within_bound": max(extra_first, extra_later) <= budget + largest,
         "repeats": repeats,
         "memcpy_gbps": plain["memcpy"]["gbps"],
@@ -524,6 +577,16 @@ def format_table(result: dict[str, Any]) -> str:
             for r in range(result["ranks"])
         )
         + f" ({verdict(later)})",
+        f"  resident after the last push, over before the first: "
+        f"{result['rank_rss_growth_bytes'] / MIB:.1f} (the slots, and freed memory the "
+        "allocator keeps)",
+        "  rank allocator: "
+        + (
+            f"MALLOC_MMAP_THRESHOLD_={result['rank_mmap_threshold']} (freed blocks above it "
+            "go back to the system: the peaks are live memory)"
+            if result["rank_mmap_threshold"] is not None
+            else "glibc's default (it keeps freed blocks; the peaks include them)"
+        ),
     ]
     return "\n".join(lines)
 
@@ -547,13 +610,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--size-mib", type=int, default=512, help="fp32 size of the trainer's set (512)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (3)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads of the coordinator"
+    )
+    parser.add_argument(
+        "--rank-mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="glibc MALLOC_MMAP_THRESHOLD_ of the rank processes (peaks then show live memory)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--record", action="store_true", help=f"append to {RESULTS.name}")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be positive")
     result = anyio.run(
-        functools.partial(run_bench, args.size_mib, args.repeats),
+        functools.partial(
+            run_bench,
+            args.size_mib,
+            args.repeats,
+            threads=args.threads,
+            mmap_threshold=args.rank_mmap_threshold,
+        ),
         backend="asyncio",
         backend_options=backend_options(),
     )
