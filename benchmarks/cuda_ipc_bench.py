@@ -61,6 +61,7 @@ from asyncrefit import (
     RefitReport,
     plan_buckets,
 )
+from asyncrefit._bench import llama_specs
 from asyncrefit._cuda import cuda_index
 from asyncrefit.local import LocalWorker, spawn_local_workers
 from asyncrefit.transport import Handle
@@ -73,32 +74,6 @@ LOCKSTEP_BUCKET = GIB
 
 
 # --- the parameter set ------------------------------------------------------------------
-
-
-def llama_specs(
-    layers: int = 32, vocab: int = 32000, hidden: int = 4096, inter: int = 11008
-) -> list[ParamSpec]:
-    """The parameters of Llama-2-7B (at 32 layers: 291 tensors, 6.74 B values), bf16."""
-
-    def spec(name: str, *shape: int) -> ParamSpec:
-        return ParamSpec(name=name, shape=shape, dtype="bfloat16")
-
-    specs = [spec("model.embed_tokens.weight", vocab, hidden)]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        specs += [
-            spec(f"{p}.self_attn.q_proj.weight", hidden, hidden),
-            spec(f"{p}.self_attn.k_proj.weight", hidden, hidden),
-            spec(f"{p}.self_attn.v_proj.weight", hidden, hidden),
-            spec(f"{p}.self_attn.o_proj.weight", hidden, hidden),
-            spec(f"{p}.mlp.gate_proj.weight", inter, hidden),
-            spec(f"{p}.mlp.up_proj.weight", inter, hidden),
-            spec(f"{p}.mlp.down_proj.weight", hidden, inter),
-            spec(f"{p}.input_layernorm.weight", hidden),
-            spec(f"{p}.post_attention_layernorm.weight", hidden),
-        ]
-    specs += [spec("model.norm.weight", hidden), spec("lm_head.weight", vocab, hidden)]
-    return specs
 
 
 def checksums(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -35,13 +35,7 @@ def record(result: dict[str, Any], command: str, path: Path = RESULTS) -> None:
         f"<details><summary>JSON</summary>\n\n```json\n{json.dumps(result, indent=2)}\n```\n\n"
         "</details>\n"
     )
-    text = path.read_text() if path.exists() else ""
-    start = text.find(SECTION)
-    end = text.find("\n## ", start + 1) if start >= 0 else -1
-    if end < 0:
-        path.write_text(text.rstrip("\n") + "\n" + section)
-    else:
-        path.write_text(text[:end].rstrip("\n") + "\n" + section + text[end:])
+    _bench.append_to_section(path, SECTION, section)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

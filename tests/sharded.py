@@ -10,13 +10,14 @@ coordinator ends the push. After its last step it serves until the coordinator c
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import torch
 from torch.nn import functional as F
+
+from asyncrefit._bench import free_port
 
 VOCAB = 97  # odd: lm_head's and the embedding's rows split 49 + 48 over two ranks
 
@@ -72,13 +73,6 @@ def make_wide_transformer_bf16() -> torch.nn.Module:
     return make_transformer(256).to(torch.bfloat16)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass(frozen=True)
 class RankPlan:
     """What a rank process does."""
@@ -103,28 +97,13 @@ def _digests(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def _rss() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, in bytes."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
-
 def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from asyncrefit import cpu_device
+    from asyncrefit._bench import reset_peak_rss, rss_bytes
     from asyncrefit.trainer import DTensorSource, RankServer, rank_path
 
     torch.set_num_threads(1)
@@ -168,10 +147,10 @@ def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
                     expected = _digests(model)
                     if rank == 0:
                         results.put(("expected", step, expected))
-                    _reset_peak()
-                    before, _ = _rss()
+                    reset_peak_rss()
+                    before, _ = rss_bytes()
                     outcome = await server.serve_push()
-                    _, peak = _rss()
+                    _, peak = rss_bytes()
                     results.put(("peak", rank, step, peak - before))
                     if rank == 0:
                         results.put(("served", step, outcome.version, outcome.ok))
@@ -233,3 +212,82 @@ def layouts_main(rank: int, world: int, port: int, results: Any) -> None:
             results.put(("refused", rank, None))
     finally:
         dist.destroy_process_group()
+
+
+def make_transformer_bf16_on(device: str) -> torch.nn.Module:
+    """The engine's bf16 copy on ``device`` (``"cpu"`` or ``"cuda"``)."""
+    return make_transformer_bf16().to(device)
+
+
+def one_rank_main(device: str, results: Any) -> None:
+    """A world of one rank: FSDP2 over a mesh of size 1 on ``device``, pushed twice.
+
+    gloo on the CPU (shared memory), NCCL on a GPU (CUDA IPC); the fp32 parameters go
+    cast to bf16 into one local worker process. No collective may run: a mesh of one
+    rank has nothing to gather. Reports ``("one-rank", version, equal, bytes)`` per
+    push, or ``("error", text)``.
+    """
+    import functools
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncrefit import DeviceId, RefitCoordinator, cpu_device
+    from asyncrefit._exceptions import AsyncRefitError
+    from asyncrefit._receiver import tensor_digest
+    from asyncrefit.local import spawn_local_workers
+    from asyncrefit.trainer import DTensorSource, _gather
+    from asyncrefit.transport._base import Exporter
+
+    def no_collective(*args: Any, **kwargs: Any) -> None:
+        raise AsyncRefitError("a mesh of one rank ran a collective")
+
+    _gather._all_gather = no_collective
+    try:
+        backend = "gloo" if device == "cpu" else "nccl"
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh(device, (1,))
+            model = make_transformer().to(device)
+            assert isinstance(model, TinyTransformer)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            exporter: Exporter | None = None
+            dev: DeviceId = cpu_device(0)
+            if device != "cpu":
+                from asyncrefit.transport.cuda_ipc import CudaIpcExporter
+
+                cuda = CudaIpcExporter(0)
+                exporter, dev = cuda, cuda.device_id
+            source = DTensorSource(model, exporter=exporter, devices=[dev], timeout=10)
+            factory = functools.partial(make_transformer_bf16_on, device)
+
+            async def push() -> None:
+                async with spawn_local_workers(factory, 1, devices=[dev]) as workers:
+                    async with RefitCoordinator(
+                        trainer=source, workers=workers, budget_bytes=64 << 10
+                    ) as refit:
+                        for version in (1, 2):
+                            with torch.no_grad():
+                                for p in model.parameters():
+                                    p.to_local().mul_(1.5)  # type: ignore[attr-defined]
+                            report = await refit.push(version)
+                            expected = {
+                                name: tensor_digest(
+                                    p.to_local().to(torch.bfloat16)  # type: ignore[attr-defined]
+                                )
+                                for name, p in model.named_parameters()
+                            }
+                            got = await workers[0].parameter_digests()
+                            results.put(("one-rank", version, got == expected, report.bytes))
+
+            anyio.run(push)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+        raise

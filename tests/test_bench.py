@@ -7,11 +7,20 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrefit import LocalTrainer, plan_buckets
-from asyncrefit._bench import run_bench, synthetic_model, synthetic_specs
+from asyncrefit._bench import (
+    append_to_section,
+    llama_specs,
+    module_from_specs,
+    run_bench,
+    synthetic_model,
+    synthetic_specs,
+)
 
 MIB = 2**20
 
@@ -104,3 +113,29 @@ def test_plan_command_rejects_a_bad_bucket_size() -> None:
     )
     assert done.returncode == 2
     assert "bucket_bytes must be positive" in done.stderr
+
+
+def test_append_to_section_files_text_at_the_end_of_its_section(tmp_path: Path) -> None:
+    path = tmp_path / "RESULTS.md"
+    append_to_section(path, "## B", "\n### run 1\n")  # no file yet: created
+    assert path.read_text() == "### run 1\n"
+    path.write_text("# R\n\n## A\n\ntext a\n\n## B (x)\n\ntext b\n\n## C\n\ntext c\n")
+    append_to_section(path, "## B", "\n### run 2\n")
+    append_to_section(path, "## C", "\n### run 3\n")
+    append_to_section(path, "## D", "\n## D\n")  # no such section: at the end
+    assert path.read_text() == (
+        "# R\n\n## A\n\ntext a\n\n## B (x)\n\ntext b\n\n### run 2\n\n## C\n\ntext c\n"
+        "\n### run 3\n\n## D\n"
+    )
+
+
+def test_module_from_specs_holds_each_spec_under_its_name_in_order() -> None:
+    specs = llama_specs(2, 11, 8, 21, dtype="float32")
+    assert len(specs) == 3 + 2 * 9
+    model = module_from_specs(specs, dtype=torch.bfloat16)
+    got = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+    assert got == [(s.name, s.shape, torch.bfloat16) for s in specs]
+    assert not any(p.requires_grad or p.any() for p in model.parameters())
+    meta = module_from_specs(specs, device="meta")
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    assert LocalTrainer(module_from_specs(specs)).specs() == tuple(specs)

@@ -4,7 +4,9 @@ Two trainer processes shard a small transformer with ``fully_shard`` (fp32 maste
 weights, row counts that two ranks split unevenly) over gloo; the test process is the
 coordinator, driving both ranks through every bucket in plan order; local worker
 processes hold the model in bf16. After each of three optimizer steps, every worker
-must hold, bitwise, the trainer's gathered full state cast to bf16.
+must hold, bitwise, the trainer's gathered full state cast to bf16. A world of one
+rank (gloo on the CPU; NCCL and CUDA IPC on a GPU, with ``-m gpu``) pushes without
+any collective.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from asyncrefit import PushError, RefitCoordinator, SourceDiedError
+from asyncrefit._bench import free_port
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.trainer import RankSource, rank_path
 from asyncrefit.transport.shm import list_segments
@@ -30,10 +34,10 @@ from .helpers import own_segments
 from .sharded import (
     LAYOUTS,
     RankPlan,
-    free_port,
     layouts_main,
     make_transformer_bf16,
     make_wide_transformer_bf16,
+    one_rank_main,
     rank_main,
 )
 
@@ -283,3 +287,51 @@ async def test_a_sharded_push_cancelled_at_any_moment_leaves_everything_usable()
                 take(results, "closed")
     assert all(p.exitcode == 0 for p in processes)
     assert rank_segments(processes) == []
+
+
+def run_one_rank(device: str) -> list[tuple[Any, ...]]:
+    """Run :func:`one_rank_main` in a process of its own; its reports."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    # Not a daemon: it starts a worker process of its own.
+    process = context.Process(target=one_rank_main, args=(device, results))
+    process.start()
+    got: list[tuple[Any, ...]] = []
+    try:
+        deadline = time.monotonic() + 150
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                item = results.get(timeout=1.0)
+            except queue.Empty:
+                if not process.is_alive():
+                    break
+                continue
+            assert item[0] != "error", item[1]
+            got.append(item)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        results.close()
+        results.join_thread()
+    assert process.exitcode == 0
+    return got
+
+
+def one_rank_bytes() -> int:
+    return sum(p.numel() * 2 for p in make_transformer_bf16().parameters())
+
+
+def test_a_world_of_one_rank_pushes_without_collectives_cast_to_bf16() -> None:
+    """A mesh of size 1 (one trainer process): the copy casts, nothing is gathered."""
+    got = run_one_rank("cpu")
+    assert got == [("one-rank", v, True, one_rank_bytes()) for v in (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_world_of_one_rank_on_a_cuda_mesh_pushes_through_cuda_ipc() -> None:
+    """NCCL, a CUDA mesh of size 1, fp32 shards cast to bf16 in the slot, CUDA IPC."""
+    got = run_one_rank("cuda")
+    assert got == [("one-rank", v, True, one_rank_bytes()) for v in (1, 2)]

@@ -41,8 +41,9 @@ with warnings.catch_warnings():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+from asyncrefit._bench import free_port
+
 from . import vllm_amx
-from .sharded import free_port
 from .vllm_models import ENGINE_KWARGS, PROMPTS, engine_processes, make_checkpoint
 from .vllm_sharded import RankPlan, Ranks, rank_segments, trainer_ranks
 

@@ -15,6 +15,11 @@ one run:
 
 Every variant is verified once: the workers' parameter digests must equal the
 trainer's, or :class:`BenchVerificationError` is raised.
+
+The scripts in ``benchmarks/`` share its helpers: parameter sets (:func:`llama_specs`,
+:func:`module_from_specs`), the memcpy limit, the machine's description, resident
+memory (:func:`rss_bytes`, :func:`reset_peak_rss`) and filing results
+(:func:`append_to_section`).
 """
 
 from __future__ import annotations
@@ -124,16 +129,59 @@ def synthetic_specs(size_mib: int) -> list[ParamSpec]:
     return _layout(d, vocab)
 
 
-def synthetic_model(size_mib: int) -> torch.nn.Module:
-    """A module holding :func:`synthetic_specs` as zero-filled ``Parameter``\\ s.
+def llama_specs(
+    layers: int = 32,
+    vocab: int = 32000,
+    hidden: int = 4096,
+    inter: int = 11008,
+    *,
+    dtype: str = "bfloat16",
+) -> list[ParamSpec]:
+    """The parameters of a Llama-2 model (defaults: Llama-2-7B, 291 tensors, 6.74 B values).
 
-    ``named_parameters()`` yields them in the specs' order. Picklable as
-    ``functools.partial(synthetic_model, size_mib)``: the worker factory.
+    Embedding, ``layers`` blocks of attention and MLP matrices and two norms, the final
+    norm and the LM head, in Hugging Face's names and order, all of ``dtype``.
+    """
+
+    def spec(name: str, *shape: int) -> ParamSpec:
+        return ParamSpec(name=name, shape=shape, dtype=dtype)
+
+    specs = [spec("model.embed_tokens.weight", vocab, hidden)]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        specs += [
+            spec(f"{p}.self_attn.q_proj.weight", hidden, hidden),
+            spec(f"{p}.self_attn.k_proj.weight", hidden, hidden),
+            spec(f"{p}.self_attn.v_proj.weight", hidden, hidden),
+            spec(f"{p}.self_attn.o_proj.weight", hidden, hidden),
+            spec(f"{p}.mlp.gate_proj.weight", inter, hidden),
+            spec(f"{p}.mlp.up_proj.weight", inter, hidden),
+            spec(f"{p}.mlp.down_proj.weight", hidden, inter),
+            spec(f"{p}.input_layernorm.weight", hidden),
+            spec(f"{p}.post_attention_layernorm.weight", hidden),
+        ]
+    specs += [spec("model.norm.weight", hidden), spec("lm_head.weight", vocab, hidden)]
+    return specs
+
+
+def module_from_specs(
+    specs: Sequence[ParamSpec],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    root: torch.nn.Module | None = None,
+) -> torch.nn.Module:
+    """A module holding one zero-filled, frozen ``Parameter`` per spec, under its dotted name.
+
+    Submodules are made as the names need them; ``named_parameters()`` yields the
+    specs in order. ``dtype`` overrides every spec's dtype; ``device`` may be
+    ``"meta"`` (nothing allocated, for ``fully_shard`` then ``to_empty``). ``root``
+    is the module to fill (a subclass with a ``forward``, say); default a new one.
     """
     import torch
 
-    root = torch.nn.Module()
-    for spec in synthetic_specs(size_mib):
+    root = root if root is not None else torch.nn.Module()
+    for spec in specs:
         *path, leaf = spec.name.split(".")
         module = root
         for part in path:
@@ -142,9 +190,20 @@ def synthetic_model(size_mib: int) -> torch.nn.Module:
                 child = torch.nn.Module()
                 module.add_module(part, child)
             module = child
-        data = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype))
+        data = torch.zeros(
+            spec.shape, dtype=dtype if dtype is not None else torch_dtype(spec.dtype), device=device
+        )
         module.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
     return root
+
+
+def synthetic_model(size_mib: int) -> torch.nn.Module:
+    """A module holding :func:`synthetic_specs` as zero-filled ``Parameter``\\ s.
+
+    ``named_parameters()`` yields them in the specs' order. Picklable as
+    ``functools.partial(synthetic_model, size_mib)``: the worker factory.
+    """
+    return module_from_specs(synthetic_specs(size_mib))
 
 
 def fill_random(module: torch.nn.Module, seed: int) -> None:
@@ -488,6 +547,33 @@ async def _run_variant(
     )
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's store)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def rss_bytes() -> tuple[int, int]:
+    """``(VmRSS, VmHWM)`` of this process in bytes: resident now, and its peak (Linux)."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's VmHWM to its current resident size (Linux ``clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, cores, memory, load, torch and Python versions of this machine."""
     import torch
@@ -649,6 +735,36 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
 # --- output ---------------------------------------------------------------------------
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    """One line describing a :func:`machine_info` result (with the load when it ran)."""
+    return (
+        f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
+        f"{m['memory_gib']} GiB, load {m['loadavg']}; torch {m['torch']} "
+        f"({m['torch_threads']} threads), Python {m['python']}"
+    )
+
+
+def append_to_section(path: str | os.PathLike[str], heading: str, text: str) -> None:
+    """Add ``text`` at the end of the Markdown section whose heading line starts with
+    ``heading`` (before the next ``## `` heading), or, without one, at the end of the
+    file; a missing or empty file gets just ``text``."""
+    try:
+        with open(path) as f:
+            whole = f.read()
+    except FileNotFoundError:
+        whole = ""
+    start = whole.find(heading)
+    end = whole.find("\n## ", start + 1) if start >= 0 else -1
+    if not whole.strip():
+        whole = text.lstrip("\n")
+    elif end < 0:
+        whole = whole.rstrip("\n") + "\n" + text
+    else:
+        whole = whole[:end].rstrip("\n") + "\n" + text + whole[end:]
+    with open(path, "w") as f:
+        f.write(whole)
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The benchmark's result as a plain-text table with the machine it ran on."""
     m = result["machine"]
@@ -656,9 +772,7 @@ def format_table(result: dict[str, Any]) -> str:
     memcpy = result["memcpy_gbps"]
     lines = [
         f"asyncrefit bench, {result['date']}",
-        f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
-        f"{m['memory_gib']} GiB, load {m['loadavg']}; torch {m['torch']} "
-        f"({m['torch_threads']} threads), Python {m['python']}",
+        machine_line(m),
         f"set: {nbytes / MIB:.1f} MiB in {result['tensors']} tensors (float32/bfloat16); "
         f"{result['workers']} worker processes; bucket {result['bucket_bytes'] / MIB:.0f} MiB; "
         f"median of {result['repeats']} timed pushes after 1 warm-up; memcpy: best of "

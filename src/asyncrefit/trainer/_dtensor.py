@@ -41,7 +41,9 @@ class DTensorSource(LocalTrainer):
     travel). A tensor whose layout cannot be gathered in place (uneven shards, a
     dimension other than 0, a 2-D mesh) goes through one temporary of about its size:
     a rank needs at most the budget plus about the largest tensor of extra memory.
-    Gathers run in a worker thread, off the event loop.
+    On a mesh of one rank (a trainer of one process) nothing is gathered: each
+    parameter is cast as it is copied into the slot, on the CPU or the GPU. Gathers
+    run in a worker thread, off the event loop.
 
     ``timeout`` bounds each collective: a rank that died or hangs mid-gather makes the
     others fail with :class:`~asyncrefit.PackError` within it. Keep it below the

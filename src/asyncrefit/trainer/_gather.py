@@ -9,7 +9,9 @@ destination's dtype. Shards are cast before they travel, so an fp32 master weigh
 bound for a bf16 engine moves half the bytes. Where the layout allows (one sharded
 mesh dimension, dimension 0, shards of equal size) the all-gather writes straight
 into the destination; otherwise it goes through one temporary of about the tensor's
-size. Each collective is waited for at most ``timeout`` seconds.
+size. A tensor that needs no gather (replicated, or sharded over mesh dimensions of
+one rank) is copied, and cast, in one pass. Each collective is waited for at most
+``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ def gather_into(tensor: Any, out: torch.Tensor, *, timeout: float, name: str = "
         return
     levels = _levels(tensor)
     local: torch.Tensor = tensor.to_local()
+    if all(len(level.sizes) == 1 for level in levels):
+        # Nothing to gather (replicated, or every sharding mesh dimension has one
+        # rank: a world of one): one copy, cast in it, no temporary, no collective.
+        out.copy_(local)
+        return
     if local.dtype != out.dtype:
         local = local.to(out.dtype)  # cast before moving: fewer bytes on the wire
     mesh = tensor.device_mesh
