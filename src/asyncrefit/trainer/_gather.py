@@ -109,11 +109,10 @@ def gather_into(tensor: Any, out: torch.Tensor, *, timeout: float, name: str = "
         # rank: a world of one): one copy, cast in it, no temporary, no collective.
         out.copy_(local)
         return
-    if local.dtype != out.dtype:
-        local = local.to(out.dtype)  # cast before moving: fewer bytes on the wire
     mesh = tensor.device_mesh
     what = f"gathering {name or 'a parameter'}"
-    # Undo the splits innermost first; the last one undone writes into ``out``.
+    # Undo the splits innermost first; the last one undone writes into ``out``. Shards
+    # are cast to ``out``'s dtype before they travel: fewer bytes on the wire.
     for i, level in enumerate(reversed(levels)):
         world = len(level.sizes)
         last = i == len(levels) - 1
@@ -122,9 +121,10 @@ def gather_into(tensor: Any, out: torch.Tensor, *, timeout: float, name: str = "
             continue
         even = len(set(level.sizes)) == 1
         if last and even and level.dim == 0:
-            _all_gather(out.view(-1), local.contiguous().view(-1), group, timeout, what)
+            shard = local if local.dtype == out.dtype else local.to(out.dtype)
+            _all_gather(out.view(-1), shard.contiguous().view(-1), group, timeout, what)
             return
-        local = _gather_level(local, level, group, timeout, what, out if last else None)
+        local = _gather_level(local, level, group, timeout, what, out if last else None, out.dtype)
         if last:
             return
     out.copy_(local)
@@ -137,27 +137,52 @@ def _gather_level(
     timeout: float,
     what: str,
     out: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Gather one level: padded shards into one buffer, then cut them into place."""
+    """Gather one level of uneven (or non-leading) shards, padded to equal sizes.
+
+    The shard is cast into its padded copy. Into ``out`` along dimension 0, ranks whose
+    shard is full size gather straight into their rows of ``out``, the others into a
+    shard-sized temporary; otherwise all gather into one buffer that is then cut into
+    place (a temporary of about the tensor's size).
+    """
     import torch
+    import torch.distributed as dist
 
     d, sizes = level.dim, level.sizes
     chunk = max(sizes)
     padded_shape = list(local.shape)
     padded_shape[d] = chunk
     shard = local
-    if local.shape[d] != chunk or not local.is_contiguous():
-        shard = torch.zeros(padded_shape, dtype=local.dtype, device=local.device)
+    if local.shape[d] != chunk or not local.is_contiguous() or local.dtype != dtype:
+        shard = torch.empty(padded_shape, dtype=dtype, device=local.device)
         shard.narrow(d, 0, local.shape[d]).copy_(local)
+        if local.shape[d] != chunk:
+            shard.narrow(d, local.shape[d], chunk - local.shape[d]).zero_()
     world = len(sizes)
-    gathered = torch.empty([world, *padded_shape], dtype=local.dtype, device=local.device)
+    if out is not None and d == 0:
+        outputs: list[torch.Tensor] = []
+        offset = 0
+        for size in sizes:
+            if size == chunk:
+                outputs.append(out.narrow(0, offset, chunk))
+            else:
+                outputs.append(torch.empty(padded_shape, dtype=dtype, device=local.device))
+            offset += size
+        work = dist.all_gather(outputs, shard, group=group, async_op=True)
+        _wait(work, timeout, what)
+        offset = 0
+        for size, piece in zip(sizes, outputs, strict=True):
+            if size != chunk and size:
+                out.narrow(0, offset, size).copy_(piece.narrow(0, 0, size))
+            offset += size
+        return out
+    gathered = torch.empty([world, *padded_shape], dtype=dtype, device=local.device)
     _all_gather(gathered.view(-1), shard.view(-1), group, timeout, what)
     del shard
     full_shape = list(local.shape)
     full_shape[d] = sum(sizes)
-    target = (
-        out if out is not None else torch.empty(full_shape, dtype=local.dtype, device=local.device)
-    )
+    target = out if out is not None else torch.empty(full_shape, dtype=dtype, device=local.device)
     offset = 0
     for rank, size in enumerate(sizes):
         if size:
