@@ -216,3 +216,35 @@ def test_tensor_bytes_is_the_tensors_bytes_and_released_after() -> None:
     conj = torch.tensor([1 + 2j], dtype=torch.complex64).conj()  # the values, not the memory
     with tensor_bytes(conj) as data:
         assert bytes(data) == struct.pack("=2f", 1.0, -2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_suite_collects_and_runs_without_numpy(tmp_path: Path) -> None:
+    """With ``.[dev]`` alone there is no numpy, and torch warns at import: under
+    ``filterwarnings = error`` that warning must not stop the suite from collecting."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_plan.py",
+            "tests/test_ledger.py",
+        ],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=130,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
