@@ -44,9 +44,8 @@ from .._messages import (
     Shutdown,
     SpecsReply,
     VersionReply,
-    decode,
-    encode,
 )
+from .._mux import ChannelFailedError, RequestChannel
 from .._plan import ParamSpec
 from ._faults import WorkerFaults
 from ._server import worker_main
@@ -68,7 +67,9 @@ class LocalWorker:
     """A worker subprocess with its own event loop, holding a real ``torch.nn.Module``.
 
     Implements :class:`asyncrefit.Worker`. Each call sends one request over a Unix
-    socket and awaits the reply; the worker handles requests one at a time, in order.
+    socket and awaits the reply; calls may overlap (the coordinator sends the next
+    bucket's notification while the last one is being loaded), and the worker handles
+    requests one at a time, in the order they were sent.
 
     Resource handling: :meth:`aclose` asks the process to exit, then terminates and
     reaps it if it does not. A call cancelled while waiting for its reply leaves the
@@ -87,8 +88,7 @@ class LocalWorker:
         self._process = process
         self._channel = channel
         self._device = device
-        self._lock = anyio.Lock()
-        self._next_id = 0
+        self._requests = RequestChannel(channel, send_timeout=_SEND_TIMEOUT)
         self._dead: str | None = None
 
     def __repr__(self) -> str:
@@ -110,33 +110,18 @@ class LocalWorker:
     # --- transport -------------------------------------------------------------------
 
     async def _request(self, request: Request) -> Reply:
-        async with self._lock:
-            if self._dead is not None:
-                raise WorkerDiedError(self._name, self._dead)
-            self._next_id += 1
-            request_id = self._next_id
-            try:
-                # Shielded (a frame cut in half would corrupt the channel), bounded.
-                try:
-                    await self._channel.send(encode((request_id, request)), within=_SEND_TIMEOUT)
-                except TimeoutError:
-                    await self._mark_dead("sending a request timed out")
-                    raise WorkerTimeoutError(self._name, "sending a request timed out") from None
-                while True:
-                    got_id, reply = decode(await self._channel.receive())
-                    assert isinstance(reply, Reply)
-                    if got_id == request_id:
-                        break
-                    # else: the reply to a request whose caller was cancelled: drop it
-            except (
-                anyio.EndOfStream,
-                anyio.BrokenResourceError,
-                anyio.ClosedResourceError,
-                OSError,
-            ):
-                await self._mark_dead("the worker process closed its connection")
-                assert self._dead is not None
-                raise WorkerDiedError(self._name, self._dead) from None
+        if self._dead is not None:
+            raise WorkerDiedError(self._name, self._dead)
+        try:
+            reply = await self._requests.request(request)
+        except ChannelFailedError as exc:
+            if isinstance(exc.cause, TimeoutError):
+                await self._mark_dead("sending a request timed out")
+                raise WorkerTimeoutError(self._name, "sending a request timed out") from None
+            await self._mark_dead("the worker process closed its connection")
+            assert self._dead is not None
+            raise WorkerDiedError(self._name, self._dead) from None
+        assert isinstance(reply, Reply)
         if isinstance(reply, ErrorReply):
             raise remote_error(self._name, reply.type, reply.message)
         return reply
@@ -152,7 +137,7 @@ class LocalWorker:
     async def _mark_dead(self, why: str) -> None:
         """Kill and reap the process: once this returns, it reads no buffer any more."""
         with anyio.CancelScope(shield=True):
-            await self._channel.aclose()
+            await self._requests.aclose()
             if self._process.is_alive():
                 self._process.kill()
             await anyio.to_thread.run_sync(self._process.join, _REAP_TIMEOUT)
@@ -214,7 +199,7 @@ class LocalWorker:
                         await self._request(Shutdown())
                     except (WorkerDiedError, WorkerRemoteError, WorkerTimeoutError):
                         pass
-                await self._channel.aclose()
+                await self._requests.aclose()
             await anyio.to_thread.run_sync(self._process.join, 5)
             if self._process.is_alive():
                 self._process.terminate()
