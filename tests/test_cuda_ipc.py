@@ -170,6 +170,32 @@ async def test_refit_into_two_gpu_workers_is_bitwise_equal_over_pushes() -> None
 
 @pytest.mark.gpu
 @needs_gpu
+async def test_workers_ack_before_their_copies_ran_and_the_repack_waits_on_the_gpu() -> None:
+    """Ordered handles: each worker's copies run late on its GPU (its stream spins
+    before them), it acks once they are enqueued, and the trainer packs the next bucket
+    into the slot at once: only the trainer's stream waiting for the workers' "copied"
+    events keeps the repack from overwriting a bucket not yet copied."""
+    model = make_gpu_mixed()
+    exporter = CudaIpcExporter(0)
+    dev = exporter.device_id
+    late = WorkerFaults(gpu_delay_cycles=20_000_000)  # ~10 ms of spinning per bucket
+    async with spawn_local_workers(
+        make_gpu_mixed, 2, devices=[dev, dev], faults={"worker-0": late, "worker-1": late}
+    ) as workers:
+        trainer = LocalTrainer(model, exporter=exporter, devices=[dev])
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=256 * 1024
+        ) as refit:
+            for version in (1, 2, 3):
+                step(model, version)
+                report = await refit.push(version)
+                assert report.buckets > 2 and report.slots == 2
+                await assert_hold(workers, model, version)
+        assert exporter.ordered  # the coordinator passed the tokens: handles were ordered
+
+
+@pytest.mark.gpu
+@needs_gpu
 async def test_forward_pass_in_the_worker_matches_the_trainer() -> None:
     model = make_gpu_mlp()
     exporter = CudaIpcExporter(0, host_sync=True)  # seal also waits on the host

@@ -46,6 +46,7 @@ from ._report import RefitReport, StageTimes
 from ._topology import Topology, plan_topology
 from ._trainer import LocalTrainer
 from ._worker import (
+    OrderedSource,
     PushEndingSource,
     SourceInfo,
     TrainerSource,
@@ -80,6 +81,8 @@ class _PushAccount:
     transport_bytes: dict[str, int] = field(default_factory=dict)
     touched: set[Member] = field(default_factory=set)
     committed: set[Member] = field(default_factory=set)
+    # slot -> the tokens of the workers' acks for the bucket last in it (ordered handles)
+    copied: dict[int, dict[Member, bytes]] = field(default_factory=dict)
 
     def incomplete(self) -> list[str]:
         return sorted(m.name for m in self.touched - self.committed)
@@ -669,8 +672,14 @@ class RefitCoordinator:
             await after.wait()
             t = time.perf_counter()
             handles: dict[DeviceId, Handle] = {}
+            copied = account.copied.pop(slot, {})
 
             async def export(source: int) -> None:
+                src = self._sources[source]
+                if isinstance(src, OrderedSource):  # its pack waits for these copies
+                    src.order_after(
+                        slot, [t for m, t in copied.items() if topology.routes.get(m) == source]
+                    )
                 devices = topology.devices_to_export(source, every_device=self._broadcast_all)
                 exported = await self._sources[source].export(bucket, slot, devices)
                 if self._verify and any(h.checksum is None for h in exported):
@@ -704,7 +713,9 @@ class RefitCoordinator:
                         account.transport_bytes.get(kind, 0) + bucket.payload_bytes
                     )
                     self._ledger.slots.reading(slot, member)
-                    tg.start_soon(self._load_one, member, version, bucket.index, mine, slot)
+                    tg.start_soon(
+                        self._load_one, member, version, bucket.index, mine, slot, account
+                    )
             account.load += time.perf_counter() - t
         finally:
             if self._ledger.slots.finish(slot):
@@ -757,12 +768,20 @@ class RefitCoordinator:
                 raise failed[0]
 
     async def _load_one(
-        self, member: Member, version: int, bucket: int, handles: tuple[Handle, ...], slot: int
+        self,
+        member: Member,
+        version: int,
+        bucket: int,
+        handles: tuple[Handle, ...],
+        slot: int,
+        account: _PushAccount,
     ) -> None:
         worker = member.worker
-        await self._call(
+        ack = await self._call(
             member, f"load_bucket({bucket})", lambda: worker.load_bucket(version, bucket, handles)
         )
+        if ack.copied:  # its copies may still run: the next pack into the slot waits
+            account.copied.setdefault(slot, {})[member] = ack.copied
         self._ledger.slots.acked(slot, member)
 
     async def _abort(self, version: int, account: _PushAccount) -> None:

@@ -119,11 +119,18 @@ class SpecsReply:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BucketAck:
-    """The worker copied ``nbytes`` of ``bucket`` and dropped its views."""
+    """The worker copied ``nbytes`` of ``bucket`` and dropped its views.
+
+    ``copied`` is empty when the copies are complete; for an ``ordered`` handle it may
+    be the token the producer waits for (on the GPU) before it repacks the slot: the
+    copies were enqueued, ordered before that token, and the worker waits for them
+    before it commits, aborts or releases its handles.
+    """
 
     bucket: int
     nbytes: int
     seconds: float
+    copied: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -224,7 +224,13 @@ class ParameterReceiver:
         check_layout(handle)
 
     def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
-        """Copy one bucket into the parameters; blocks until the copies are complete."""
+        """Copy one bucket into the parameters.
+
+        Returns once the copies are complete, or, for an ``ordered`` handle, once they
+        are enqueued on the GPU, with the token ordering the producer's next write
+        after them in the ack (:meth:`commit`, :meth:`abort` and :meth:`digests` wait
+        for them first; closing an importer does too).
+        """
         import torch
 
         start = time.perf_counter()
@@ -241,10 +247,10 @@ class ParameterReceiver:
                     src = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
                     self._params[e.name].copy_(src.view(e.shape))
                     del src
-            importer.finish(handle)
+            token = importer.finish(handle)
         finally:
             del buffer  # drop every view before the ack
-        if handle.checksum is not None:
+        if handle.checksum is not None:  # reads the parameters: after the copies
             got = checksum(self._params[e.name] for e in handle.entries)
             if got != handle.checksum:
                 raise IntegrityError(bucket, handle.checksum, got)
@@ -252,15 +258,24 @@ class ParameterReceiver:
             bucket=bucket,
             nbytes=sum(e.nbytes for e in handle.entries),
             seconds=time.perf_counter() - start,
+            copied=token,
         )
 
+    def settle(self) -> None:
+        """Wait for every copy an earlier :meth:`load` left running (ordered handles)."""
+        for importer in self._importers.values():
+            importer.settle()
+
     def commit(self, version: int, buckets: int) -> None:
+        self.settle()
         self.state.commit(version, buckets)
 
     def abort(self, version: int) -> None:
+        self.settle()
         self.state.abort(version)
 
     def digests(self) -> dict[str, str]:
+        self.settle()
         return {name: tensor_digest(t) for name, t in self._params.items()}
 
     def release_handles(self) -> None:

@@ -24,7 +24,7 @@ from ._exceptions import ClosedError, PackError
 from ._names import as_name_map, engine_named
 from ._plan import ParamSpec
 from ._worker import SourceInfo
-from .transport._base import Exporter, Handle
+from .transport._base import Exporter, Handle, OrderingExporter
 
 if TYPE_CHECKING:
     import torch
@@ -231,6 +231,7 @@ class _SlotSource(_SourceBase):
         self._exporter = exporter
         self._prepared = False
         self._checksum = False
+        self._order: dict[int, tuple[bytes, ...]] = {}  # slot -> consumers' tokens
 
     @property
     def exporter(self) -> Exporter:
@@ -258,9 +259,27 @@ class _SlotSource(_SourceBase):
                 raise ClosedError(f"trainer source {self._name!r} was closed")
             return self._pack_locked(bucket, slot)
 
+    def order_after(self, slot: int, tokens: Sequence[bytes]) -> None:
+        """Order the next pack into ``slot`` after the consumers' copies of ``tokens``.
+
+        The coordinator calls it before every export of this source, with the tokens
+        the workers' acks carried for the bucket last in ``slot`` (see
+        :class:`~asyncrefit.BucketAck`). With an exporter that can wait for them on the
+        device (CUDA IPC), handles are marked ``ordered`` from then on, so consumers
+        ack as soon as their copies are enqueued.
+        """
+        exporter = self._exporter
+        if isinstance(exporter, OrderingExporter):
+            exporter.ordered = True
+            self._order[slot] = tuple(tokens)
+
     def _pack_locked(self, bucket: Bucket, slot: int) -> int | None:
         import torch
 
+        tokens = self._order.pop(slot, ())
+        exporter = self._exporter
+        if tokens and isinstance(exporter, OrderingExporter):
+            exporter.order_after(slot, tokens)
         buffer = self._exporter.buffer(slot)
         with torch.no_grad():
             packed = self._fill(bucket, buffer)

@@ -128,3 +128,17 @@ class PushEndingSource(TrainerSource, Protocol):
     """
 
     async def end_push(self, version: int, ok: bool) -> None: ...
+
+
+@runtime_checkable
+class OrderedSource(TrainerSource, Protocol):
+    """A source whose next pack into a slot can wait for the consumers on the device.
+
+    Before every export the coordinator calls ``order_after(slot, tokens)`` with the
+    ``copied`` tokens of the acks of the workers it routes to this source, for the
+    bucket last packed into ``slot`` in this push (none for a slot's first bucket). A
+    source that marks its handles ``ordered`` (so that workers ack once their copies
+    are enqueued) must order its pack after those tokens.
+    """
+
+    def order_after(self, slot: int, tokens: Sequence[bytes]) -> None: ...

@@ -96,6 +96,10 @@ class WorkerServer:
             await anyio.sleep(self._faults.load_delay)
         if self._faults.kill_at_bucket == request.bucket:
             return await anyio.to_thread.run_sync(self._killed_mid_copy, request)
+        if self._faults.gpu_delay_cycles:
+            return await anyio.to_thread.run_sync(
+                self._late_on_the_gpu, request, limiter=self._limiter
+            )
         return await anyio.to_thread.run_sync(
             self._receiver.load,
             request.version,
@@ -111,6 +115,19 @@ class WorkerServer:
         self._receiver.load(request.version, request.bucket, (partial,))
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("unreachable")
+
+    def _late_on_the_gpu(self, request: LoadBucket) -> Reply:
+        """Make the stream spin before the copies, then load (fault injection)."""
+        import torch
+
+        handle = next(h for h in request.handles if h.device == self._receiver.device)
+        from .._cuda import cuda_index
+
+        index = cuda_index(handle.device.device)  # the slot's GPU: the copies run there
+        cuda: Any = torch.cuda
+        with torch.cuda.device(index):
+            cuda._sleep(self._faults.gpu_delay_cycles)
+        return self._receiver.load(request.version, request.bucket, request.handles)
 
     def _forward(self, inputs: Any) -> Any:
         import torch

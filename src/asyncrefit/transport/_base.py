@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from .._device import DeviceId
 from .._dtypes import dtype_name as dtype_name
@@ -24,6 +25,9 @@ class Handle:
     segment's name, a CUDA IPC handle). A handle never carries tensor data.
     ``checksum``, when set (``verify=True``), is the CRC-32 of the entries' bytes in
     order (see :func:`asyncrefit.checksum`); the worker recomputes it over its copy.
+    ``ordered`` says that the producer orders its next write into this buffer after
+    the token the consumer's :meth:`Importer.finish` returns (it comes back in the
+    ack): the consumer may then ack once its copies are enqueued, before they ran.
     """
 
     kind: ClassVar[str] = "abstract"
@@ -32,6 +36,7 @@ class Handle:
     nbytes: int
     entries: tuple[TensorEntry, ...]
     checksum: int | None = None
+    ordered: bool = False
 
 
 class Exporter(Protocol):
@@ -61,8 +66,17 @@ class Importer(Protocol):
     def open(self, handle: Handle) -> torch.Tensor:
         """A flat ``uint8`` view of the handle's buffer; cached across calls."""
 
-    def finish(self, handle: Handle) -> None:
-        """Called after the copies out of the view: they must be complete on return."""
+    def finish(self, handle: Handle) -> bytes:
+        """Called after the copies out of the view.
+
+        Returns ``b""`` once the copies are complete; for an ``ordered`` handle it may
+        instead return a token (a CUDA interprocess event's handle, recorded after the
+        copies) that the producer waits for before it writes the buffer again. Copies
+        left running that way are waited for by :meth:`settle`.
+        """
+
+    def settle(self) -> None:
+        """Wait until every copy that :meth:`finish` left running is complete."""
 
     def close(self) -> None:
         """Drop every cached view and mapping. Idempotent."""
@@ -90,3 +104,19 @@ def make_importer(kind: str) -> Importer:
     cls = getattr(importlib.import_module(module_name), class_name)
     importer: Importer = cls()
     return importer
+
+
+@runtime_checkable
+class OrderingExporter(Exporter, Protocol):
+    """An exporter whose repack of a slot can wait for the consumers on the device.
+
+    ``ordered`` (off by default) marks its handles ``ordered``: a consumer then acks
+    once its copies are enqueued, returning a token from :meth:`Importer.finish`.
+    :meth:`order_after` makes the packing thread's stream wait for those tokens; the
+    owner of the exporter must pass it every consumer's token for a slot before it
+    packs the slot again, or leave ``ordered`` off.
+    """
+
+    ordered: bool
+
+    def order_after(self, slot: int, tokens: Sequence[bytes]) -> None: ...

@@ -683,10 +683,14 @@ class CollectiveImporter:
             _broadcast(group, buffer[:size], handle.backend)
         return buffer
 
-    def finish(self, handle: Handle) -> None:
+    def finish(self, handle: Handle) -> bytes:
         if isinstance(handle, CollectiveHandle) and handle.backend == "nccl":
             # The copies out of the buffer ran on the current stream of the buffer's GPU.
             _synchronize(_receiver_device(handle))
+        return b""
+
+    def settle(self) -> None:
+        pass  # finish waited already
 
     def _drop_group(self) -> None:
         group, self._group, self._group_key = self._group, None, None

@@ -43,6 +43,7 @@ import logging
 import os
 import secrets
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -154,6 +155,8 @@ class CudaIpcExporter:
         self._generation = 0
         self._slots: list[_Slot] = []
         self._slot_bytes = 0
+        self._ordered = False
+        self._consumer_events: dict[bytes, Any] = {}  # token -> the consumer's event, opened
 
     def __repr__(self) -> str:
         return (
@@ -170,6 +173,44 @@ class CudaIpcExporter:
     def slot_bytes(self) -> int:
         """The size of each slot (0 before :meth:`allocate`)."""
         return self._slot_bytes if self._slots else 0
+
+    @property
+    def ordered(self) -> bool:
+        """Whether handles say ``ordered``: consumers may ack before their copies ran.
+
+        Set by the trainer source that owns the exporter when its coordinator passes it
+        every consumer's token (:meth:`order_after`) before each pack; never set it
+        otherwise, or a repack may overwrite a bucket still being copied.
+        """
+        return self._ordered
+
+    @ordered.setter
+    def ordered(self, value: bool) -> None:
+        self._ordered = value
+
+    def order_after(self, slot: int, tokens: Sequence[bytes]) -> None:
+        """Make this thread's stream wait for the consumers' copies out of ``slot``.
+
+        ``tokens`` are what the consumers' :meth:`CudaIpcImporter.finish` returned for
+        the bucket last packed into ``slot`` (interprocess events they recorded after
+        their copies): the pack that follows is ordered after those copies on the GPU,
+        with no round trip through the host. Call it in the packing thread, before the
+        pack. Each consumer's event is opened once and kept until :meth:`close`.
+        """
+        import torch
+
+        stream = torch.cuda.current_stream(self._index)
+        for token in tokens:
+            event = self._consumer_events.get(token)
+            if event is None:
+                try:
+                    event = self._consumer_events[token] = _open_event(token, self._index)
+                except RuntimeError as exc:
+                    raise TransportError(
+                        f"cannot open a consumer's CUDA IPC event for slot {slot} on "
+                        f"cuda:{self._index}: {exc}"
+                    ) from exc
+            event.wait(stream)
 
     def allocate(self, slots: int, slot_bytes: int) -> None:
         """Allocate ``slots`` slots of at least ``slot_bytes`` each and share them.
@@ -282,6 +323,7 @@ class CudaIpcExporter:
             storage_bytes=s.storage_bytes,
             storage_offset=s.storage_offset,
             event_handle=s.event_handle,
+            ordered=self._ordered,
         )
 
     def _free(self, *, release_cached: bool) -> None:
@@ -293,6 +335,7 @@ class CudaIpcExporter:
         # Nothing enqueued by this process may still write into a slot we free.
         torch.cuda.current_stream(self._index).synchronize()
         slots.clear()  # the last references: the memory goes back to the allocator
+        self._consumer_events.clear()
         _ipc_collect()
         if release_cached:
             torch.cuda.empty_cache()
@@ -311,6 +354,8 @@ class _Opened:
     index: int
     base: torch.Tensor | None
     event: Any  # the producer's torch.cuda.Event for this slot, opened here, or None
+    copied: Any = None  # this process's interprocess event, recorded after its copies
+    token: bytes = b""  # the IPC handle of ``copied``
 
 
 def _rebuild(handle: CudaIpcHandle, index: int) -> torch.Tensor:
@@ -371,6 +416,7 @@ class CudaIpcImporter:
     def __init__(self, max_cached: int = 16) -> None:
         self._max = max_cached
         self._cache: OrderedDict[tuple[str, int], _Opened] = OrderedDict()
+        self._running: set[int] = set()  # GPUs with copies that finish() left running
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -424,8 +470,14 @@ class CudaIpcImporter:
             entry.event.wait(torch.cuda.current_stream(entry.index))
         return base
 
-    def finish(self, handle: Handle) -> None:
-        """Wait until this thread's copies out of ``handle``'s slot are complete."""
+    def finish(self, handle: Handle) -> bytes:
+        """End this thread's copies out of ``handle``'s slot.
+
+        For an ``ordered`` handle, record the slot's "copied" event after the copies and
+        return its IPC handle: the producer's next pack into the slot waits for it on
+        the GPU, and the ack may go at once. Otherwise wait for the copies on the host
+        and return ``b""``.
+        """
         import torch
 
         if not isinstance(handle, CudaIpcHandle):
@@ -433,21 +485,43 @@ class CudaIpcImporter:
         entry = self._cache.get((handle.owner, handle.slot))
         index = entry.index if entry is not None else cuda_index(handle.device.device)
         # A copy between devices runs on the source device's current stream and
-        # synchronizes with the destination's, so waiting on the slot's device
-        # covers copies into parameters on any GPU. After this the ack may go: the
-        # producer is free to pack the next bucket into the slot.
-        torch.cuda.current_stream(index).synchronize()
+        # synchronizes with the destination's, so the slot's device's stream covers
+        # copies into parameters on any GPU.
+        stream = torch.cuda.current_stream(index)
+        if handle.ordered and entry is not None:
+            if entry.copied is None:
+                event_cls: Any = torch.cuda.Event
+                with torch.cuda.device(index):
+                    entry.copied = event_cls(interprocess=True)
+                entry.token = bytes(entry.copied.ipc_handle())
+            entry.copied.record(stream)
+            self._running.add(index)
+            return entry.token
+        stream.synchronize()
+        return b""
+
+    def settle(self) -> None:
+        """Wait for every copy that :meth:`finish` left running."""
+        import torch
+
+        running, self._running = self._running, set()
+        for index in running:
+            torch.cuda.current_stream(index).synchronize()
 
     def _drop(self, key: tuple[str, int]) -> None:
         entry = self._cache.pop(key, None)
         if entry is not None:
+            if entry.copied is not None:
+                self.settle()  # a copy may still read the slot
             entry.base = None  # unmaps once torch holds no other storage on it
             entry.event = None
+            entry.copied = None
 
     def close(self) -> None:
         """Drop every mapping (bases), then collect torch's IPC bookkeeping. Idempotent."""
         import torch
 
+        self.settle()
         for key in list(self._cache):
             self._drop(key)
         cuda: Any = torch.cuda

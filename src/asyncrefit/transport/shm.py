@@ -308,8 +308,11 @@ class SharedMemoryImporter:
             held = {_owner(n)[0] for n in self._cache} | {owner}
             self._newest = {o: g for o, g in self._newest.items() if o in held}
 
-    def finish(self, handle: Handle) -> None:
-        pass  # CPU copies are complete when copy_ returns
+    def finish(self, handle: Handle) -> bytes:
+        return b""  # CPU copies are complete when copy_ returns
+
+    def settle(self) -> None:
+        pass
 
     def close(self) -> None:
         cache, self._cache = self._cache, {}

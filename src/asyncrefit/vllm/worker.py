@@ -410,7 +410,10 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                 src = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
                 weights.append((e.name, src.view(e.shape).to(self.device, copy=True)))
                 del src
+            # Waited for on the host even for an ordered handle: the copies above must
+            # have read the buffer before the ack (no token is passed back from here).
             importer.finish(handle)
+            importer.settle()
         finally:
             del buffer  # no view of the trainer's buffer outlives this block
         if handle.checksum is not None:  # verify=True: check the copy before loading it
