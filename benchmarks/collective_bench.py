@@ -25,14 +25,14 @@ from typing import Any
 import anyio
 
 from asyncrefit import DeviceId, RefitCoordinator
-from asyncrefit._bench import (
+from asyncrefit._plan import plan_buckets
+from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools.bench import (
     fill_random,
     machine_info,
     module_digests,
     synthetic_model,
 )
-from asyncrefit._plan import plan_buckets
-from asyncrefit.local import LocalWorker, spawn_local_workers
 from asyncrefit.transport.collective import CollectiveTrainer
 
 MIB = 1 << 20

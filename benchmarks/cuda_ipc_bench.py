@@ -61,9 +61,9 @@ from asyncrefit import (
     RefitReport,
     plan_buckets,
 )
-from asyncrefit._bench import llama_specs
 from asyncrefit._cuda import cuda_index
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools.bench import llama_specs
 from asyncrefit.transport import Handle
 from asyncrefit.transport.cuda_ipc import CudaIpcExporter
 

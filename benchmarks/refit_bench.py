@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrefit import _bench
+from asyncrefit.tools import bench as _bench
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
 SECTION = "## Refit on the CPU"

@@ -8,7 +8,7 @@ ranks split the MLP's gate and up projections, the embedding and the LM head une
 The engine holds it in bfloat16: the payload is half the trainer's bytes. In one run:
 
 - **memcpy** (the limit): the bf16 payload's tensors copied once into one flat buffer
-  (``asyncrefit._bench.measure_memcpy``, best of 5);
+  (``asyncrefit.tools.bench.measure_memcpy``, best of 5);
 - **plain bf16**: the set as a bf16 module in this process, pushed by
   ``LocalTrainer`` into 2 local worker processes (virtual devices ``cpu:0`` and
   ``cpu:1``);
@@ -56,7 +56,10 @@ import anyio
 import torch
 
 from asyncrefit import LocalTrainer, ParamSpec, RefitCoordinator, RefitReport, plan_buckets
-from asyncrefit._bench import (
+from asyncrefit._loop import backend_options
+from asyncrefit._receiver import tensor_digest
+from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools.bench import (
     MIB,
     append_to_section,
     bucket_bytes_for,
@@ -72,9 +75,6 @@ from asyncrefit._bench import (
     reset_peak_rss,
     rss_bytes,
 )
-from asyncrefit._loop import backend_options
-from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import LocalWorker, spawn_local_workers
 from asyncrefit.trainer import DTensorSource, RankSource, rank_path
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")

@@ -46,16 +46,16 @@ import torch
 from cuda_ipc_bench import checksums
 
 from asyncrefit import DeviceId, LocalTrainer, RefitCoordinator, RefitReport, cpu_device
-from asyncrefit._bench import (
+from asyncrefit._loop import backend_options
+from asyncrefit._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
+from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools.bench import (
     append_to_section,
     free_port,
     llama_specs,
     machine_info,
     module_from_specs,
 )
-from asyncrefit._loop import backend_options
-from asyncrefit._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
-from asyncrefit.local import LocalWorker, spawn_local_workers
 from asyncrefit.trainer import DTensorSource
 from asyncrefit.transport._base import Exporter
 

@@ -11,7 +11,7 @@ import json
 import anyio
 
 from asyncrefit._loop import backend_options
-from asyncrefit._soak import run_soak
+from asyncrefit.tools.soak import run_soak
 
 MIB = 2**20
 

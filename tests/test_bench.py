@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncrefit import LocalTrainer, plan_buckets
-from asyncrefit._bench import (
+from asyncrefit.tools.bench import (
     append_to_section,
     llama_specs,
     module_from_specs,

@@ -14,10 +14,10 @@ from typing import Any
 
 import anyio
 
-from ._coordinator import RefitCoordinator
-from ._receiver import tensor_digest
-from .local import spawn_local_workers
-from .transport.shm import list_segments
+from .._coordinator import RefitCoordinator
+from .._receiver import tensor_digest
+from ..local import spawn_local_workers
+from ..transport.shm import list_segments
 
 
 def soak_model() -> Any:

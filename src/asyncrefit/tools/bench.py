@@ -40,23 +40,23 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._coordinator import RefitCoordinator
-from ._device import DeviceId, cpu_device
-from ._dtypes import torch_dtype
-from ._exceptions import PlanError
-from ._loop import backend_options
-from ._messages import LoadBucket, encode, encoded_size
-from ._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
-from ._receiver import tensor_digest
-from ._trainer import LocalTrainer, SharedParameterTrainer
-from .transport._base import Handle
+from .._coordinator import RefitCoordinator
+from .._device import DeviceId, cpu_device
+from .._dtypes import torch_dtype
+from .._exceptions import PlanError
+from .._loop import backend_options
+from .._messages import LoadBucket, encode, encoded_size
+from .._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
+from .._receiver import tensor_digest
+from .._trainer import LocalTrainer, SharedParameterTrainer
+from ..transport._base import Handle
 
 if TYPE_CHECKING:
     import torch
 
-    from ._plan import Bucket
-    from ._report import RefitReport
-    from .local import LocalWorker
+    from .._plan import Bucket
+    from .._report import RefitReport
+    from ..local import LocalWorker
 
 MIB = 2**20
 #: The bucket size the benchmark uses at most (256 MiB); smaller sets use a quarter.
@@ -315,7 +315,7 @@ class RecordingExporter:
     """
 
     def __init__(self) -> None:
-        from .transport.shm import SharedMemoryExporter
+        from ..transport.shm import SharedMemoryExporter
 
         self._inner = SharedMemoryExporter()
         self.kind = self._inner.kind
@@ -665,7 +665,7 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
 
     results: dict[str, VariantResult] = {}
     say(f"starting {WORKERS} workers")
-    from .local import spawn_local_workers
+    from ..local import spawn_local_workers
 
     async with spawn_local_workers(
         functools.partial(synthetic_model, size_mib), WORKERS

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from ._coordinator import RefitCoordinator
-from ._demo_model import ModelConfig, build_model, copy_task_batch
-from ._loop import backend_options
-from ._receiver import tensor_digest
-from .cli import report_failure
-from .local._client import LocalWorker, spawn_local_workers
+from .._coordinator import RefitCoordinator
+from .._loop import backend_options
+from .._receiver import tensor_digest
+from ..cli import report_failure
+from ..local._client import LocalWorker, spawn_local_workers
+from .demo_model import ModelConfig, build_model, copy_task_batch
 
 if TYPE_CHECKING:
     import torch
