@@ -26,7 +26,7 @@ import torch
 
 from asyncrefit import PushError, RefitCoordinator, SourceDiedError
 from asyncrefit.local import spawn_local_workers
-from asyncrefit.tools.bench import free_port
+from asyncrefit.tools._machine import free_port
 from asyncrefit.trainer import RankSource, rank_path
 from asyncrefit.transport.shm import list_segments
 
