@@ -25,14 +25,12 @@ from typing import Any
 import anyio
 
 from asyncrefit import DeviceId, RefitCoordinator
-from asyncrefit._bench import (
-    fill_random,
-    machine_info,
-    module_digests,
-    synthetic_model,
-)
 from asyncrefit._plan import plan_buckets
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools._machine import machine_info
+from asyncrefit.tools._table import Column, markdown_table
+from asyncrefit.tools._verify import module_digests, verify_workers
+from asyncrefit.tools.bench import fill_random, synthetic_model
 from asyncrefit.transport.collective import CollectiveTrainer
 
 MIB = 1 << 20
@@ -67,9 +65,7 @@ async def _variant(
         if report.slots != slots:
             raise RuntimeError(f"ran with {report.slots} slots, not {slots}")
     want = await anyio.to_thread.run_sync(module_digests, module)
-    for w in workers:
-        if await w.parameter_digests() != want:
-            raise RuntimeError(f"worker {w.name} does not hold the trainer's parameters")
+    await verify_workers(workers, want, what=f"{slots} slot(s)")
     seconds = statistics.median(times)
     return {
         "slots": slots,
@@ -117,16 +113,18 @@ async def run(size_mib: int, bucket_mib: int, repeats: int) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The Markdown table of a result."""
-    lines = [
-        "| slots | buckets | push (s) | GB/s per worker | GB/s on the wire (x3) |",
-        "|---:|---:|---:|---:|---:|",
+    columns = (
+        Column("slots"),
+        Column("buckets"),
+        Column("push (s)", spec=".2f"),
+        Column("GB/s per worker", spec=".2f"),
+        Column("GB/s on the wire (x3)", spec=".2f"),
+    )
+    rows = [
+        (r["slots"], r["buckets"], r["seconds"], r["gbps"], r["wire_gbps"])
+        for r in (result["two_slots"], result["one_slot"])
     ]
-    for key in ("two_slots", "one_slot"):
-        r = result[key]
-        lines.append(
-            f"| {r['slots']} | {r['buckets']} | {r['seconds']:.2f} | {r['gbps']:.2f} "
-            f"| {r['wire_gbps']:.2f} |"
-        )
+    lines = markdown_table(columns, rows)
     lines.append(f"\noverlap gain (2 slots / 1 slot): {result['overlap_gain']:.2f}x")
     return "\n".join(lines)
 

@@ -39,10 +39,8 @@ import datetime
 import functools
 import json
 import multiprocessing
-import os
 import pickle
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,9 +59,12 @@ from asyncrefit import (
     RefitReport,
     plan_buckets,
 )
-from asyncrefit._bench import llama_specs
 from asyncrefit._cuda import cuda_index
+from asyncrefit._plan import DEFAULT_ALIGNMENT
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools._machine import machine_info
+from asyncrefit.tools._table import Column, table
+from asyncrefit.tools.bench import llama_specs, median_push, module_from_specs
 from asyncrefit.transport import Handle
 from asyncrefit.transport.cuda_ipc import CudaIpcExporter
 
@@ -93,17 +94,7 @@ class LlamaShaped(torch.nn.Module):
 
     def __init__(self, layers: int) -> None:
         super().__init__()
-        for s in llama_specs(layers):
-            *path, leaf = s.name.split(".")
-            module: torch.nn.Module = self
-            for part in path:
-                child = getattr(module, part, None)
-                if not isinstance(child, torch.nn.Module):
-                    child = torch.nn.Module()
-                    module.add_module(part, child)
-                module = child
-            data = torch.zeros(s.shape, dtype=torch.bfloat16, device="cuda")
-            module.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
+        module_from_specs(llama_specs(layers), dtype=torch.bfloat16, device="cuda", root=self)
 
     def forward(self, x: Any = None) -> torch.Tensor:
         return checksums(list(self.parameters()))
@@ -125,31 +116,47 @@ def fill(module: torch.nn.Module, seed: int) -> None:
 # --- the limit ----------------------------------------------------------------------------
 
 
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    cuda: Any = torch.cuda  # Event is untyped in torch's stubs
+def median_ms(fn: Callable[[], None], repeats: int, device: str = "cuda") -> float:
+    """Median milliseconds of ``fn`` after a warm-up: CUDA events, or on ``"cpu"`` the
+    wall clock."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        start.record()
+        if device == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        cuda: Any = torch.cuda  # Event is untyped in torch's stubs
+        begin, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        begin.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(float(start.elapsed_time(end)))
+        times.append(float(begin.elapsed_time(end)))
     return statistics.median(times)
 
 
-def _limit_times(params: Sequence[torch.Tensor], repeats: int) -> dict[str, float]:
+def flat_views(
+    params: Sequence[torch.Tensor], device: str = "cuda"
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A flat byte buffer on ``device`` with room for ``params`` packed as the planner
+    packs them (each 256-byte aligned), and a view of it shaped as each tensor."""
     offsets, end = [], 0
     for p in params:
-        end = -(-end // 256) * 256
+        end = -(-end // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
         offsets.append(end)
         end += p.nbytes
-    flat = torch.empty(end, dtype=torch.uint8, device="cuda")
+    flat = torch.empty(end, dtype=torch.uint8, device=device)
     views = [
         flat[o : o + p.nbytes].view(p.dtype).view(p.shape)
         for o, p in zip(offsets, params, strict=True)
     ]
+    return flat, views
+
+
+def _limit_times(params: Sequence[torch.Tensor], repeats: int) -> dict[str, float]:
+    flat, views = flat_views(params)
     second = [torch.empty_like(p) for p in params]
     other = torch.empty_like(flat)
 
@@ -167,9 +174,9 @@ def _limit_times(params: Sequence[torch.Tensor], repeats: int) -> dict[str, floa
 
     with torch.no_grad():
         return {
-            "one_copy_ms": _median_ms(pack, repeats),
-            "two_copies_ms": _median_ms(pack_and_load, repeats),
-            "contiguous_copy_ms": _median_ms(contiguous, repeats),
+            "one_copy_ms": median_ms(pack, repeats),
+            "two_copies_ms": median_ms(pack_and_load, repeats),
+            "contiguous_copy_ms": median_ms(contiguous, repeats),
         }
 
 
@@ -267,11 +274,6 @@ class BenchExporter:
         self.inner.close()
 
 
-def _median_push(timed: list[tuple[float, RefitReport]]) -> tuple[float, RefitReport]:
-    ordered = sorted(timed, key=lambda tr: tr[0])
-    return ordered[(len(ordered) - 1) // 2]
-
-
 async def _verify(name: str, model: torch.nn.Module, workers: Sequence[LocalWorker]) -> None:
     want = checksums(list(model.parameters()))
     for w in workers:
@@ -331,7 +333,7 @@ async def run_refit(
             bucket_loads += [x for w in workers for x in w.loads]
             packs += exporter.packs
         await _verify(name, model, [w.inner for w in workers])
-    seconds, report = _median_push(timed)
+    seconds, report = median_push(timed)
     rtt = [a for a, _ in bucket_loads]
     own = [b for _, b in bucket_loads]
     return {
@@ -528,34 +530,13 @@ def run_per_tensor(
 # --- the run --------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    props = torch.cuda.get_device_properties(0)
-    driver = "unknown"
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-    return {
-        "gpu": props.name,
-        "gpu_memory_gib": round(props.total_memory / GIB, 1),
-        "driver": driver,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-        "cpus": os.cpu_count(),
-    }
-
-
 def run(layers: int, repeats: int, consumer_counts: Sequence[int]) -> dict[str, Any]:
     def say(message: str) -> None:
         print(f"[cuda-bench] {message}", file=sys.stderr, flush=True)
 
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine_info(gpu=True),
         "layers": layers,
         "repeats": repeats,
     }
@@ -604,20 +585,36 @@ def format_table(result: dict[str, Any]) -> str:
         f"contiguous copy           {lim['contiguous_copy_ms']:8.2f} ms  "
         f"{nbytes / lim['contiguous_copy_ms'] / 1e6:7.0f} GB/s",
         "",
-        f"{'variant':<38}{'n':>2}{'ms':>9}{'GB/s':>7}{'x limit':>9}{'handle B/consumer':>19}"
-        f"{'buckets':>8}",
     ]
+    columns = (
+        Column("variant", 38, left=True),
+        Column("n", 2),
+        Column("ms", 9, ".2f"),
+        Column("GB/s", 7, ".0f"),
+        Column("x limit", 9, ".2f"),
+        Column("handle B/consumer", 19, ","),
+        Column("buckets", 8),
+    )
+    rows: list[tuple[object, ...] | str] = []
     for r in result["runs"]:
         n = r["consumers"]
         if "error" in r:
-            lines.append(f"{r['name']:<38}{n:>2}  FAILED: {r['error']}")
+            rows.append(f"{r['name']:<38}{n:>2}  FAILED: {r['error']}")
             continue
         limit_ms = one + n * load  # one pack + one load per consumer
         ms = r["seconds"] * 1e3
-        lines.append(
-            f"{r['name']:<38}{n:>2}{ms:>9.2f}{r['gbps']:>7.0f}{limit_ms / ms:>9.2f}"
-            f"{r['handle_bytes_per_consumer']:>19,}{r.get('buckets', r.get('tensors', 0)):>8}"
+        rows.append(
+            (
+                r["name"],
+                n,
+                ms,
+                r["gbps"],
+                limit_ms / ms,
+                r["handle_bytes_per_consumer"],
+                r.get("buckets", r.get("tensors", 0)),
+            )
         )
+    lines += table(columns, rows)
     lines += ["", "x limit: the limit's time (1 pack + n loads) over the push's time", ""]
     for r in result["runs"]:
         if "error" in r:

@@ -32,9 +32,9 @@ import ray
 import torch
 
 from asyncrefit import RefitCoordinator
-from asyncrefit._bench import machine_info
 from asyncrefit._receiver import tensor_digest
 from asyncrefit.ray import RayTrainerSource, RayWorker, RefitTrainerMixin, RefitWorkerMixin
+from asyncrefit.tools._machine import machine_info
 
 MIB = 2**20
 TENSOR_ELEMENTS = 256 * 1024  # 1 MiB of float32 per tensor

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrefit import _bench
+from asyncrefit.tools import bench
+from asyncrefit.tools._table import append_to_section, recorded_command, results_section
+from asyncrefit.tools._verify import VerificationError
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
 SECTION = "## Refit on the CPU"
@@ -29,13 +31,9 @@ def record(result: dict[str, Any], command: str, path: Path = RESULTS) -> None:
     ``SECTION``), or at the end of the file when there is no such section.
     """
     m = result["machine"]
-    section = (
-        f"\n#### {result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n\n"
-        f"`{command}`\n\n```\n{_bench.format_table(result)}\n```\n\n"
-        f"<details><summary>JSON</summary>\n\n```json\n{json.dumps(result, indent=2)}\n```\n\n"
-        "</details>\n"
-    )
-    _bench.append_to_section(path, SECTION, section)
+    title = f"{result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+    section = results_section(title, command, bench.format_table(result), result, level=4)
+    append_to_section(path, SECTION, section)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,18 +50,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be positive")
     try:
-        result = _bench.run(
-            args.size_mib, args.repeats, threads=args.threads, progress=_bench.progress_line
+        result = bench.run(
+            args.size_mib, args.repeats, threads=args.threads, progress=bench.progress_line
         )
-    except _bench.BenchVerificationError as exc:
+    except VerificationError as exc:
         print(f"refit_bench: VERIFICATION FAILED: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2) if args.json else _bench.format_table(result))
+    print(json.dumps(result, indent=2) if args.json else bench.format_table(result))
     if args.record:
-        command = "python benchmarks/refit_bench.py " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        record(result, command)
+        record(result, recorded_command("benchmarks/refit_bench.py", argv))
         print(f"recorded in {RESULTS}", file=sys.stderr)
     return 0
 

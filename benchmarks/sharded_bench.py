@@ -8,7 +8,7 @@ ranks split the MLP's gate and up projections, the embedding and the LM head une
 The engine holds it in bfloat16: the payload is half the trainer's bytes. In one run:
 
 - **memcpy** (the limit): the bf16 payload's tensors copied once into one flat buffer
-  (``asyncrefit._bench.measure_memcpy``, best of 5);
+  (``asyncrefit.tools.bench.measure_memcpy``, best of 5);
 - **plain bf16**: the set as a bf16 module in this process, pushed by
   ``LocalTrainer`` into 2 local worker processes (virtual devices ``cpu:0`` and
   ``cpu:1``);
@@ -56,25 +56,33 @@ import anyio
 import torch
 
 from asyncrefit import LocalTrainer, ParamSpec, RefitCoordinator, RefitReport, plan_buckets
-from asyncrefit._bench import (
-    MIB,
-    append_to_section,
-    bucket_bytes_for,
-    fill_random,
-    free_port,
-    llama_specs,
-    machine_info,
-    machine_line,
-    measure_memcpy,
-    module_digests,
-    module_from_specs,
-    progress_line,
-    reset_peak_rss,
-    rss_bytes,
-)
 from asyncrefit._loop import backend_options
 from asyncrefit._receiver import tensor_digest
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools._machine import (
+    free_port,
+    machine_info,
+    machine_line,
+    reset_peak_rss,
+    rss_bytes,
+)
+from asyncrefit.tools._table import (
+    Column,
+    append_to_section,
+    recorded_command,
+    results_section,
+    table,
+)
+from asyncrefit.tools._verify import module_digests, verify_workers
+from asyncrefit.tools.bench import (
+    MIB,
+    bucket_bytes_for,
+    fill_random,
+    llama_specs,
+    measure_memcpy,
+    module_from_specs,
+    progress_line,
+)
 from asyncrefit.trainer import DTensorSource, RankSource, rank_path
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
@@ -315,17 +323,6 @@ def _summary(times: list[float], reports: list[RefitReport]) -> dict[str, Any]:
     }
 
 
-async def _check(workers: Sequence[LocalWorker], expected: dict[str, str], what: str) -> None:
-    for w in workers:
-        got = await w.parameter_digests()
-        if got != expected:
-            wrong = sorted(n for n in expected.keys() | got.keys() if got.get(n) != expected.get(n))
-            raise RuntimeError(
-                f"{what}: {w.name} does not hold the trainer's bytes for {len(wrong)} "
-                f"parameters (first: {wrong[:3]})"
-            )
-
-
 async def run_plain(
     size_mib: int, workers: Sequence[LocalWorker], bucket: int, budget: int, repeats: int
 ) -> dict[str, Any]:
@@ -348,7 +345,8 @@ async def run_plain(
             if push:  # the first one is the warm-up
                 times.append(time.perf_counter() - start)
                 reports.append(report)
-    await _check(workers, await anyio.to_thread.run_sync(module_digests, module), "plain bf16")
+    expected = await anyio.to_thread.run_sync(module_digests, module)
+    await verify_workers(workers, expected, what="plain bf16")
     result = _summary(times, reports)
     memcpy = await anyio.to_thread.run_sync(
         measure_memcpy, [p.detach() for p in module.parameters()]
@@ -402,7 +400,7 @@ async def run_sharded(
                         reports.append(report)
                 say("gathering the ranks' full state to verify")
                 _, expected = await inbox.take("expected")
-                await _check(workers, expected, "sharded fp32")
+                await verify_workers(workers, expected, what="sharded fp32")
         codes = [p.exitcode for p in processes]
         if codes != [0] * RANKS:
             raise RuntimeError(f"rank processes exited with {codes}")
@@ -523,18 +521,26 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['bucket_bytes'] / MIB:.0f} MiB, {plain['slots']} slots; median of "
         f"{result['repeats']} timed pushes after 1 warm-up",
         "",
-        f"{'variant':<40}{'push s':>8}{'spread':>9}{'GB/s':>7}{'x memcpy':>10}{'buckets':>9}",
-        f"{'memcpy, bf16 tensors into flat buffer':<40}{payload / memcpy / 1e9:>8.3f}"
-        f"{'-':>9}{memcpy:>7.2f}{1:>10.2f}{'-':>9}",
     ]
-    for label, r in (
-        ("plain bf16 module, LocalTrainer", plain),
-        (f"fp32 FSDP2 shards, {result['ranks']} gloo ranks -> bf16", sharded),
-    ):
-        lines.append(
-            f"{label:<40}{r['seconds']:>8.3f}{r['spread']:>8.0%} {r['gbps']:>7.2f}"
-            f"{r['gbps'] / memcpy:>10.2f}{r['buckets']:>9}"
+    columns = (
+        Column("variant", 40, left=True),
+        Column("push s", 8, ".3f"),
+        Column("spread", 9, ".0%"),
+        Column("GB/s", 7, ".2f"),
+        Column("x memcpy", 10, ".2f"),
+        Column("buckets", 9),
+    )
+    rows: list[tuple[object, ...]] = [
+        ("memcpy, bf16 tensors into flat buffer", payload / memcpy / 1e9, "-", memcpy, 1.0, "-")
+    ]
+    rows += [
+        (label, r["seconds"], r["spread"], r["gbps"], r["gbps"] / memcpy, r["buckets"])
+        for label, r in (
+            ("plain bf16 module, LocalTrainer", plain),
+            (f"fp32 FSDP2 shards, {result['ranks']} gloo ranks -> bf16", sharded),
         )
+    ]
+    lines += table(columns, rows)
     lines += [
         "",
         "spread: (max - min) / median of the timed pushes; GB/s: bf16 payload / push seconds",
@@ -594,13 +600,11 @@ def format_table(result: dict[str, Any]) -> str:
 def record(result: dict[str, Any], command: str, path: Path = RESULTS) -> None:
     """Add a dated section with ``result``'s table and JSON under :data:`SECTION`."""
     m = result["machine"]
-    section = (
-        f"\n### {result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
-        f"load {m['loadavg']}\n\n`{command}`\n\n```\n{format_table(result)}\n```\n\n"
-        f"<details><summary>JSON</summary>\n\n```json\n{json.dumps(result, indent=2)}\n```\n\n"
-        "</details>\n"
+    title = (
+        f"{result['date'][:10]}: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+        f"load {m['loadavg']}"
     )
-    append_to_section(path, SECTION, section)
+    append_to_section(path, SECTION, results_section(title, command, format_table(result), result))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -638,10 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     if args.record:
-        command = "python benchmarks/sharded_bench.py " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        record(result, command)
+        record(result, recorded_command("benchmarks/sharded_bench.py", argv))
         print(f"recorded in {RESULTS}", file=sys.stderr)
     return 0
 

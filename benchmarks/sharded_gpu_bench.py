@@ -34,7 +34,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,19 +42,15 @@ from typing import Any
 
 import anyio
 import torch
-from cuda_ipc_bench import checksums
+from cuda_ipc_bench import checksums, flat_views, median_ms
 
 from asyncrefit import DeviceId, LocalTrainer, RefitCoordinator, RefitReport, cpu_device
-from asyncrefit._bench import (
-    append_to_section,
-    free_port,
-    llama_specs,
-    machine_info,
-    module_from_specs,
-)
 from asyncrefit._loop import backend_options
-from asyncrefit._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
+from asyncrefit._plan import ParamSpec, plan_buckets
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.tools._machine import free_port, machine_info
+from asyncrefit.tools._table import Column, append_to_section, results_section, table
+from asyncrefit.tools.bench import llama_specs, median_push, module_from_specs
 from asyncrefit.trainer import DTensorSource
 from asyncrefit.transport._base import Exporter
 
@@ -141,25 +136,6 @@ def synchronize(device: str) -> None:
 # --- the limits -------------------------------------------------------------------------
 
 
-def _median_ms(fn: Callable[[], None], repeats: int, device: str) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cpu":
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        cuda: Any = torch.cuda  # Event is untyped in torch's stubs
-        begin, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(float(begin.elapsed_time(end)))
-    return statistics.median(times)
-
-
 def measure_limits(
     bf16: Sequence[torch.Tensor], fp32: Sequence[torch.Tensor], repeats: int, device: str
 ) -> dict[str, float]:
@@ -182,16 +158,7 @@ def measure_limits(
 def _limit_times(
     bf16: Sequence[torch.Tensor], fp32: Sequence[torch.Tensor], repeats: int, device: str
 ) -> tuple[float, float, float]:
-    offsets, end = [], 0
-    for p in bf16:
-        end = -(-end // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT
-        offsets.append(end)
-        end += p.nbytes
-    flat = torch.empty(end, dtype=torch.uint8, device=device)
-    views = [
-        flat[o : o + p.nbytes].view(p.dtype).view(p.shape)
-        for o, p in zip(offsets, bf16, strict=True)
-    ]
+    _, views = flat_views(bf16, device)
     second = [torch.empty_like(p) for p in bf16]
 
     def pack() -> None:
@@ -209,9 +176,9 @@ def _limit_times(
 
     with torch.no_grad():
         return (
-            _median_ms(pack, repeats, device),
-            _median_ms(pack_and_load, repeats, device),
-            _median_ms(cast_pack, repeats, device),
+            median_ms(pack, repeats, device),
+            median_ms(pack_and_load, repeats, device),
+            median_ms(cast_pack, repeats, device),
         )
 
 
@@ -256,8 +223,7 @@ async def run_round(
 
 def _summary(timed: list[tuple[float, RefitReport]], limits: dict[str, float]) -> dict[str, Any]:
     seconds = [s for s, _ in timed]
-    ordered = sorted(timed, key=lambda sr: sr[0])
-    median, report = ordered[(len(ordered) - 1) // 2]
+    median, report = median_push(timed)
     ms = median * 1e3
     return {
         "ms": ms,
@@ -275,14 +241,6 @@ def _summary(timed: list[tuple[float, RefitReport]], limits: dict[str, float]) -
     }
 
 
-def machine(device: str) -> dict[str, Any]:
-    if device == "cpu":
-        return machine_info()
-    from cuda_ipc_bench import machine as gpu_machine
-
-    return gpu_machine()
-
-
 def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -292,7 +250,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     backend = args.backend or ("gloo" if device == "cpu" else "nccl")
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(device),
+        "machine": machine_info(gpu=device != "cpu"),
         "device": device,
         "backend": backend,
         "shape": dataclasses.asdict(shape),
@@ -404,17 +362,23 @@ def format_table(result: dict[str, Any]) -> str:
     ):
         ms = lim[key]
         lines.append(f"{label:<40}{ms:>9.2f} ms {nbytes / ms / 1e6:>7.0f} GB/s")
-    lines += [
-        "",
-        f"{'variant':<34}{'ms':>9}{'min':>9}{'max':>9}{'GB/s':>7}{'x 2-copy limit':>16}"
-        f"{'buckets':>9}",
-    ]
-    for label, key in (("plain bf16, LocalTrainer", "plain"), ("DTensor fp32 -> bf16", "dtensor")):
-        r = result[key]
-        lines.append(
-            f"{label:<34}{r['ms']:>9.2f}{r['min_ms']:>9.2f}{r['max_ms']:>9.2f}{r['gbps']:>7.0f}"
-            f"{r['x_two_copy_limit']:>16.2f}{r['buckets']:>9}"
+    columns = (
+        Column("variant", 34, left=True),
+        Column("ms", 9, ".2f"),
+        Column("min", 9, ".2f"),
+        Column("max", 9, ".2f"),
+        Column("GB/s", 7, ".0f"),
+        Column("x 2-copy limit", 16, ".2f"),
+        Column("buckets", 9),
+    )
+    rows = [
+        (label, r["ms"], r["min_ms"], r["max_ms"], r["gbps"], r["x_two_copy_limit"], r["buckets"])
+        for label, r in (
+            ("plain bf16, LocalTrainer", result["plain"]),
+            ("DTensor fp32 -> bf16", result["dtensor"]),
         )
+    ]
+    lines += ["", *table(columns, rows)]
     lines += [
         "",
         f"cast cost: DTensor / plain push time = {result['ratio']:.2f}x "
@@ -430,13 +394,10 @@ def record(result: dict[str, Any], command: str, path: Path = RESULTS) -> None:
     """Add a dated section with ``result``'s table and JSON under :data:`SECTION`."""
     m = result["machine"]
     title = m.get("gpu", m.get("cpu", "?"))
-    section = (
-        f"\n### {result['date'][:10]}: {title}, torch {m['torch']}\n\n`{command}`\n\n"
-        f"```\n{format_table(result)}\n```\n\n"
-        f"<details><summary>JSON</summary>\n\n```json\n{json.dumps(result, indent=2)}\n```\n\n"
-        "</details>\n"
+    heading = f"{result['date'][:10]}: {title}, torch {m['torch']}"
+    append_to_section(
+        path, SECTION, results_section(heading, command, format_table(result), result)
     )
-    append_to_section(path, SECTION, section)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

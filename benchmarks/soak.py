@@ -11,7 +11,8 @@ import json
 import anyio
 
 from asyncrefit._loop import backend_options
-from asyncrefit._soak import run_soak
+from asyncrefit.tools._table import Column, table
+from asyncrefit.tools.soak import QUANTITIES, run_soak
 
 MIB = 2**20
 
@@ -30,20 +31,16 @@ def main() -> None:
         f"soak: {result['pushes']} pushes into {result['workers']} workers in "
         f"{result['seconds']:.1f} s, last version verified: {result['verified']}"
     )
-    print(f"{'quantity':<18}{'first':>12}{'last':>12}{'max':>12}{'growth':>12}")
-    for key in (
-        "coordinator_rss",
-        "worker_rss_max",
-        "coordinator_fds",
-        "worker_fds_max",
-        "shm_segments",
-        "child_processes",
-    ):
+    columns = [Column("quantity", 18, left=True)]
+    columns += [Column(title, 12) for title in ("first", "last", "max", "growth")]
+    rows = []
+    for key in QUANTITIES:
         s = result[key]
-        scale, unit = (MIB, " MiB") if key.endswith("rss") or key == "worker_rss_max" else (1, "")
-        row = [s["first"] / scale, s["last"] / scale, s["max"] / scale, s["growth"] / scale]
-        fmt = "{:>12.1f}" if scale > 1 else "{:>12.0f}"
-        print(f"{key + unit:<18}" + "".join(fmt.format(v) for v in row))
+        memory = "rss" in key
+        scale, unit, spec = (MIB, " MiB", ".1f") if memory else (1, "", ".0f")
+        values = (s["first"], s["last"], s["max"], s["growth"])
+        rows.append([key + unit, *(format(v / scale, spec) for v in values)])
+    print("\n".join(table(columns, rows)))
 
 
 if __name__ == "__main__":

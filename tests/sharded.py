@@ -17,7 +17,7 @@ import anyio
 import torch
 from torch.nn import functional as F
 
-from asyncrefit._bench import free_port
+from asyncrefit.tools._machine import free_port
 
 VOCAB = 97  # odd: lm_head's and the embedding's rows split 49 + 48 over two ranks
 
@@ -103,7 +103,7 @@ def rank_main(rank: int, plan: RankPlan, results: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from asyncrefit import cpu_device
-    from asyncrefit._bench import reset_peak_rss, rss_bytes
+    from asyncrefit.tools._machine import reset_peak_rss, rss_bytes
     from asyncrefit.trainer import DTensorSource, RankServer, rank_path
 
     torch.set_num_threads(1)

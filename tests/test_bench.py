@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncrefit import LocalTrainer, plan_buckets
-from asyncrefit._bench import (
-    append_to_section,
+from asyncrefit.tools._table import append_to_section
+from asyncrefit.tools.bench import (
     llama_specs,
     module_from_specs,
     run_bench,

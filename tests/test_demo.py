@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-import asyncrefit._demo
-from asyncrefit._demo import run_demo
+import asyncrefit.tools.demo
 from asyncrefit.cli import main as cli_main
 from asyncrefit.local import LocalWorker
+from asyncrefit.tools.demo import run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -77,10 +77,10 @@ def test_demo_json_reports_any_failure_as_json(
                 raise ExceptionGroup("unhandled errors in a TaskGroup", [RuntimeError("boom")])
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(asyncrefit._demo, "run_demo", broken)
+        monkeypatch.setattr(asyncrefit.tools.demo, "run_demo", broken)
         want = "RuntimeError: boom"
     else:  # a real run_demo whose workers cannot start
-        monkeypatch.setattr(asyncrefit._demo, "spawn_local_workers", _no_workers)
+        monkeypatch.setattr(asyncrefit.tools.demo, "spawn_local_workers", _no_workers)
         want = "OSError: cannot start worker processes"
 
     assert cli_main(["demo", "--json", "--steps", "1"]) == 1
@@ -100,7 +100,7 @@ def test_demo_json_bad_arguments_is_json(capsys: pytest.CaptureFixture[str]) -> 
 # install), and `asyncrefit demo --json` must still print its JSON object.
 BROKEN_IMPORT = """\
 import sys
-sys.modules["asyncrefit._demo_model"] = None  # importing it raises ModuleNotFoundError
+sys.modules["asyncrefit.tools.demo_model"] = None  # importing it raises ModuleNotFoundError
 from asyncrefit.cli import main
 sys.exit(main(["demo", "--json"]))
 """
@@ -118,5 +118,5 @@ def test_demo_cli_json_when_the_demo_cannot_import() -> None:
     result = _one_json_object(proc.stdout)
     assert result["verified"] is False
     assert str(result["error"]).startswith("ModuleNotFoundError: "), result
-    assert "asyncrefit._demo_model" in str(result["error"])
+    assert "asyncrefit.tools.demo_model" in str(result["error"])
     assert "Traceback" not in proc.stdout and "Traceback" in proc.stderr

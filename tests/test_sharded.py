@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from asyncrefit import PushError, RefitCoordinator, SourceDiedError
-from asyncrefit._bench import free_port
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.tools._machine import free_port
 from asyncrefit.trainer import RankSource, rank_path
 from asyncrefit.transport.shm import list_segments
 

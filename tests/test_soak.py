@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrefit._soak import run_soak
+from asyncrefit.tools.soak import run_soak
 
 MIB = 2**20
 

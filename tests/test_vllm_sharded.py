@@ -41,7 +41,7 @@ with warnings.catch_warnings():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-from asyncrefit._bench import free_port
+from asyncrefit.tools._machine import free_port
 
 from . import vllm_amx
 from .vllm_models import ENGINE_KWARGS, PROMPTS, engine_processes, make_checkpoint

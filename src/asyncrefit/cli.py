@@ -63,15 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         try:
-            from ._demo import main as demo_main
+            from .tools.demo import main as demo_main
         except Exception as exc:  # e.g. a broken torch: --json still answers in JSON
             return report_failure("demo", exc, as_json=args.json)
         return demo_main(args)
     if args.command == "bench":
-        from ._bench import main as bench_main
+        from .tools.bench import main as bench_main
 
         return bench_main(args)
-    from ._bench import plan_main
+    from .tools.bench import plan_main
 
     return plan_main(args)
 

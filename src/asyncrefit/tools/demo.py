@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from ._coordinator import RefitCoordinator
-from ._demo_model import ModelConfig, build_model, copy_task_batch
-from ._loop import backend_options
-from ._receiver import tensor_digest
-from .cli import report_failure
-from .local._client import LocalWorker, spawn_local_workers
+from .._coordinator import RefitCoordinator
+from .._loop import backend_options
+from ..cli import report_failure
+from ..local._client import LocalWorker, spawn_local_workers
+from ._table import Column, table
+from ._verify import mismatches, module_digests
+from .demo_model import ModelConfig, build_model, copy_task_batch
 
 if TYPE_CHECKING:
     import torch
@@ -111,28 +112,25 @@ def _train_step(
     return float(loss.item())
 
 
-def _trainer_digests(model: torch.nn.Module) -> dict[str, str]:
-    return {name: tensor_digest(p) for name, p in model.named_parameters()}
-
-
-async def _verify(
+async def _check(
     workers: list[LocalWorker],
     version: int | None,
     digests: dict[str, str],
     tokens: torch.Tensor,
     logits: torch.Tensor,
 ) -> dict[str, dict[str, bool]]:
-    """Ask every worker, concurrently, for its digests, version and logits; compare."""
+    """Check every worker's digests (:func:`~asyncrefit.tools._verify.mismatches`), then
+    ask every worker, concurrently, for its version and logits; compare."""
     import torch
 
+    wrong = await mismatches(workers, digests)
     checks: dict[str, dict[str, bool]] = {}
 
     async def one(worker: LocalWorker) -> None:
-        got_digests = await worker.parameter_digests()
         got_version = await worker.weight_version()
         got_logits = await worker.forward(tokens)
         checks[worker.name] = {
-            "digests": got_digests == digests,
+            "digests": not wrong[worker.name],
             "version": got_version == version,
             "logits": isinstance(got_logits, torch.Tensor) and torch.equal(got_logits, logits),
         }
@@ -178,7 +176,7 @@ async def run_demo(workers: int = 2, steps: int = 3, *, progress: bool = False) 
             startup = time.perf_counter() - started
             bar.advance("checking initial weights")
             # Same factory, same seed: before any push the workers compute what we do.
-            initial = await _verify(pool, None, _trainer_digests(model), eval_tokens, previous)
+            initial = await _check(pool, None, module_digests(model), eval_tokens, previous)
             initial_ok = all(all(c.values()) for c in initial.values())
             async with RefitCoordinator(
                 trainer=model, workers=pool, budget_bytes=BUDGET_BYTES
@@ -193,8 +191,8 @@ async def run_demo(workers: int = 2, steps: int = 3, *, progress: bool = False) 
                     bar.advance(f"verifying version {step}")
 
                     logits = await anyio.to_thread.run_sync(_reference_logits, model, eval_tokens)
-                    digests = await anyio.to_thread.run_sync(_trainer_digests, model)
-                    checks = await _verify(pool, step, digests, eval_tokens, logits)
+                    digests = await anyio.to_thread.run_sync(module_digests, model)
+                    checks = await _check(pool, step, digests, eval_tokens, logits)
                     changed = not torch.equal(logits, previous)
                     coordinator_ok = all(v == step for v in refit.versions().values())
                     ok = (
@@ -244,18 +242,30 @@ def format_table(result: dict[str, Any]) -> str:
         f"(workers up in {result['startup_seconds']:.1f} s)",
         "",
     ]
-    header = (
-        f"{'version':>7}  {'loss':>7}  {'buckets':>7}  {'MiB':>6}  {'ms':>7}  "
-        f"{'GB/s':>6}  {'handle B/worker':>15}  verified"
+    columns = (
+        Column("version", 7),
+        Column("loss", 7, ".3f"),
+        Column("buckets", 7),
+        Column("MiB", 6, ".2f"),
+        Column("ms", 7, ".1f"),
+        Column("GB/s", 6, ".2f"),
+        Column("handle B/worker", 15),
+        Column("verified", left=True),
     )
-    lines += [header, "-" * len(header)]
-    for p in result["pushes"]:
-        lines.append(
-            f"{p['version']:>7}  {p['loss']:>7.3f}  {p['buckets']:>7}  "
-            f"{p['bytes'] / 2**20:>6.2f}  {p['seconds'] * 1e3:>7.1f}  {p['gbps']:>6.2f}  "
-            f"{_handle_bytes(p['handle_bytes_per_worker']):>15}  "
-            f"{'✓' if p['verified'] else '✗'}"
+    rows = [
+        (
+            p["version"],
+            p["loss"],
+            p["buckets"],
+            p["bytes"] / 2**20,
+            p["seconds"] * 1e3,
+            p["gbps"],
+            _handle_bytes(p["handle_bytes_per_worker"]),
+            "✓" if p["verified"] else "✗",
         )
+        for p in result["pushes"]
+    ]
+    lines += table(columns, rows, gap=2, rule=True)
     lines.append("")
     if result["verified"]:
         lines.append(

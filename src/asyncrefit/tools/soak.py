@@ -14,10 +14,11 @@ from typing import Any
 
 import anyio
 
-from ._coordinator import RefitCoordinator
-from ._receiver import tensor_digest
-from .local import spawn_local_workers
-from .transport.shm import list_segments
+from .._coordinator import RefitCoordinator
+from ..local import spawn_local_workers
+from ..transport.shm import list_segments
+from ._machine import rss_bytes
+from ._verify import mismatches, module_digests
 
 
 def soak_model() -> Any:
@@ -30,13 +31,15 @@ def soak_model() -> Any:
     )
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, from /proc."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+#: What the soak samples after every push, in the order it reports them.
+QUANTITIES = (
+    "coordinator_rss",
+    "worker_rss_max",
+    "coordinator_fds",
+    "worker_fds_max",
+    "shm_segments",
+    "child_processes",
+)
 
 
 def open_fds(pid: int) -> int:
@@ -85,25 +88,14 @@ async def run_soak(pushes: int, workers: int = 2, *, warmup: int = 10) -> dict[s
 
     Every push is a real optimizer-like change of every parameter; the last version is
     verified bitwise on every worker. Returns a dict of series summaries keyed by
-    quantity (``coordinator_rss``, ``worker_rss_max``, ``coordinator_fds``,
-    ``worker_fds_max``, ``shm_segments``, ``child_processes``), plus ``pushes``,
+    quantity (:data:`QUANTITIES`), plus ``pushes``,
     ``seconds`` and ``verified``.
     """
     import torch
 
     model = soak_model()
     me = os.getpid()
-    series = {
-        k: Series()
-        for k in (
-            "coordinator_rss",
-            "worker_rss_max",
-            "coordinator_fds",
-            "worker_fds_max",
-            "shm_segments",
-            "child_processes",
-        )
-    }
+    series = {k: Series() for k in QUANTITIES}
     start = time.perf_counter()
     async with spawn_local_workers(soak_model, workers) as pool:
         pids = [w.pid for w in pool if w.pid is not None]
@@ -113,8 +105,8 @@ async def run_soak(pushes: int, workers: int = 2, *, warmup: int = 10) -> dict[s
                     for p in model.parameters():
                         p.mul_(0.999).add_(1e-3)
                 await refit.push(version)
-                series["coordinator_rss"].values.append(rss_bytes(me))
-                series["worker_rss_max"].values.append(max(rss_bytes(p) for p in pids))
+                series["coordinator_rss"].values.append(rss_bytes(me)[0])
+                series["worker_rss_max"].values.append(max(rss_bytes(p)[0] for p in pids))
                 series["coordinator_fds"].values.append(open_fds(me))
                 series["worker_fds_max"].values.append(max(open_fds(p) for p in pids))
                 series["shm_segments"].values.append(
@@ -122,8 +114,8 @@ async def run_soak(pushes: int, workers: int = 2, *, warmup: int = 10) -> dict[s
                 )
                 series["child_processes"].values.append(children(me))
                 await anyio.lowlevel.checkpoint()
-            want = {n: tensor_digest(p) for n, p in model.named_parameters()}
-            verified = all([await w.parameter_digests() == want for w in pool])
+            wrong = await mismatches(pool, module_digests(model))
+            verified = not any(wrong.values())
     result: dict[str, Any] = {k: s.summary(warmup) for k, s in series.items()}
     result.update(pushes=pushes, workers=workers, seconds=time.perf_counter() - start)
     result["verified"] = verified

@@ -14,12 +14,14 @@ one run:
   ack before packing the next bucket.
 
 Every variant is verified once: the workers' parameter digests must equal the
-trainer's, or :class:`BenchVerificationError` is raised.
+trainer's, or :class:`VerificationError` is raised.
 
 The scripts in ``benchmarks/`` share its helpers: parameter sets (:func:`llama_specs`,
-:func:`module_from_specs`), the memcpy limit, the machine's description, resident
-memory (:func:`rss_bytes`, :func:`reset_peak_rss`) and filing results
-(:func:`append_to_section`).
+:func:`module_from_specs`), the memcpy limit (:func:`measure_memcpy`) and the median
+push (:func:`median_push`); the machine's description is in
+:mod:`asyncrefit.tools._machine`, the check of the workers in
+:mod:`asyncrefit.tools._verify`, tables and filing results in
+:mod:`asyncrefit.tools._table`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ import datetime
 import functools
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -40,23 +40,25 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._coordinator import RefitCoordinator
-from ._device import DeviceId, cpu_device
-from ._dtypes import torch_dtype
-from ._exceptions import PlanError
-from ._loop import backend_options
-from ._messages import LoadBucket, encode, encoded_size
-from ._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
-from ._receiver import tensor_digest
-from ._trainer import LocalTrainer, SharedParameterTrainer
-from .transport._base import Handle
+from .._coordinator import RefitCoordinator
+from .._device import DeviceId, cpu_device
+from .._dtypes import torch_dtype
+from .._exceptions import PlanError
+from .._loop import backend_options
+from .._messages import LoadBucket, encode, encoded_size
+from .._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
+from .._trainer import LocalTrainer, SharedParameterTrainer
+from ..transport._base import Handle
+from ._machine import machine_info, machine_line
+from ._table import Column, table
+from ._verify import VerificationError, module_digests, verify_workers
 
 if TYPE_CHECKING:
     import torch
 
-    from ._plan import Bucket
-    from ._report import RefitReport
-    from .local import LocalWorker
+    from .._plan import Bucket
+    from .._report import RefitReport
+    from ..local import LocalWorker
 
 MIB = 2**20
 #: The bucket size the benchmark uses at most (256 MiB); smaller sets use a quarter.
@@ -71,10 +73,6 @@ EXPORTED_DEVICES = 8
 MEMCPY_RUNS = 5
 
 Progress = Callable[[str], None]
-
-
-class BenchVerificationError(RuntimeError):
-    """A worker does not hold the trainer's bytes after a benchmark push."""
 
 
 # --- the synthetic parameter set ------------------------------------------------------
@@ -216,11 +214,6 @@ def fill_random(module: torch.nn.Module, seed: int) -> None:
             p.normal_(generator=gen)
 
 
-def module_digests(module: torch.nn.Module) -> dict[str, str]:
-    """:func:`~asyncrefit._receiver.tensor_digest` of each parameter, by name."""
-    return {name: tensor_digest(p) for name, p in module.named_parameters()}
-
-
 def bucket_bytes_for(size_bytes: int) -> int:
     """The benchmark's bucket size: a quarter of the set, at most 256 MiB."""
     return max(MIB, min(MAX_BUCKET_BYTES, size_bytes // 4))
@@ -315,7 +308,7 @@ class RecordingExporter:
     """
 
     def __init__(self) -> None:
-        from .transport.shm import SharedMemoryExporter
+        from ..transport.shm import SharedMemoryExporter
 
         self._inner = SharedMemoryExporter()
         self.kind = self._inner.kind
@@ -445,36 +438,10 @@ class VariantResult:
         return asdict(self)
 
 
-def _median_report(timed: list[tuple[float, RefitReport]]) -> tuple[float, RefitReport]:
+def median_push(timed: Sequence[tuple[float, RefitReport]]) -> tuple[float, RefitReport]:
+    """The median of timed pushes, ``(seconds, report)`` (the lower one of an even count)."""
     ordered = sorted(timed, key=lambda tr: tr[0])
     return ordered[(len(ordered) - 1) // 2]
-
-
-async def _verify(
-    variant: Variant, module: torch.nn.Module, workers: Sequence[LocalWorker]
-) -> None:
-    expected: dict[str, str] = {}
-    got: dict[str, dict[str, str]] = {}
-
-    async def trainer_side() -> None:
-        expected.update(await anyio.to_thread.run_sync(module_digests, module))
-
-    async def worker_side(worker: LocalWorker) -> None:
-        got[worker.name] = await worker.parameter_digests()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(trainer_side)
-        for w in workers:
-            tg.start_soon(worker_side, w)
-    for name, digests in got.items():
-        wrong = sorted(
-            p for p in expected.keys() | digests.keys() if digests.get(p) != expected.get(p)
-        )
-        if wrong:
-            raise BenchVerificationError(
-                f"variant {variant.key!r}: worker {name} does not hold the trainer's bytes "
-                f"for {len(wrong)} of {len(expected)} parameters (first: {wrong[:3]})"
-            )
 
 
 async def _run_variant(
@@ -518,13 +485,14 @@ async def _run_variant(
             t0 = time.perf_counter()
             report = await refit.push(version=2 + r)
             timed.append((time.perf_counter() - t0, report))
-    await _verify(variant, module, workers)
+    expected = await anyio.to_thread.run_sync(module_digests, module)
+    await verify_workers(workers, expected, what=f"variant {variant.key!r}")
     independent = exporter.independent_bytes(1 + repeats) if exporter is not None else None
 
-    seconds, report = _median_report(timed)
+    seconds, report = median_push(timed)
     expected_slots = 1 if variant.one_in_flight else min(2, report.buckets)
     if report.slots != expected_slots:
-        raise BenchVerificationError(
+        raise VerificationError(
             f"variant {variant.key!r} ran with {report.slots} slots, not {expected_slots}"
         )
     gbps = report.bytes / seconds / 1e9
@@ -545,69 +513,6 @@ async def _run_variant(
         handle_bytes_per_worker_independent=independent,
         verified=True,
     )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's store)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def rss_bytes() -> tuple[int, int]:
-    """``(VmRSS, VmHWM)`` of this process in bytes: resident now, and its peak (Linux)."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values["VmRSS"], values["VmHWM"]
-
-
-def reset_peak_rss() -> None:
-    """Reset this process's VmHWM to its current resident size (Linux ``clear_refs``)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, cores, memory, load, torch and Python versions of this machine."""
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    memory_gib: float | None = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    memory_gib = round(int(line.split()[1]) / 2**20, 1)
-                    break
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "memory_gib": memory_gib,
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 async def run_bench(
@@ -631,7 +536,7 @@ async def run_bench(
     ``handle_bytes_per_worker`` (per push), ``stages``, ``baselines``
     (``broadcast_all``: gbps, seconds, handle_bytes_per_worker; ``one_in_flight``:
     gbps, seconds), ``filtered_8_devices``, ``variants`` (every row), ``machine``,
-    ``size_bytes``, ``date`` and the set-up. Raises :class:`BenchVerificationError`
+    ``size_bytes``, ``date`` and the set-up. Raises :class:`VerificationError`
     if a worker does not hold the trainer's bytes after a variant.
     """
     if size_mib < 1 or repeats < 1:
@@ -665,7 +570,7 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
 
     results: dict[str, VariantResult] = {}
     say(f"starting {WORKERS} workers")
-    from .local import spawn_local_workers
+    from ..local import spawn_local_workers
 
     async with spawn_local_workers(
         functools.partial(synthetic_model, size_mib), WORKERS
@@ -735,36 +640,6 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
 # --- output ---------------------------------------------------------------------------
 
 
-def machine_line(m: dict[str, Any]) -> str:
-    """One line describing a :func:`machine_info` result (with the load when it ran)."""
-    return (
-        f"machine: {m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable), "
-        f"{m['memory_gib']} GiB, load {m['loadavg']}; torch {m['torch']} "
-        f"({m['torch_threads']} threads), Python {m['python']}"
-    )
-
-
-def append_to_section(path: str | os.PathLike[str], heading: str, text: str) -> None:
-    """Add ``text`` at the end of the Markdown section whose heading line starts with
-    ``heading`` (before the next ``## `` heading), or, without one, at the end of the
-    file; a missing or empty file gets just ``text``."""
-    try:
-        with open(path) as f:
-            whole = f.read()
-    except FileNotFoundError:
-        whole = ""
-    start = whole.find(heading)
-    end = whole.find("\n## ", start + 1) if start >= 0 else -1
-    if not whole.strip():
-        whole = text.lstrip("\n")
-    elif end < 0:
-        whole = whole.rstrip("\n") + "\n" + text
-    else:
-        whole = whole[:end].rstrip("\n") + "\n" + text + whole[end:]
-    with open(path, "w") as f:
-        f.write(whole)
-
-
 def format_table(result: dict[str, Any]) -> str:
     """The benchmark's result as a plain-text table with the machine it ran on."""
     m = result["machine"]
@@ -778,23 +653,36 @@ def format_table(result: dict[str, Any]) -> str:
         f"median of {result['repeats']} timed pushes after 1 warm-up; memcpy: best of "
         f"{result['memcpy_runs']}",
         "",
-        f"{'variant':<34}{'GB/s':>7}{'x memcpy':>10}{'ms/push':>10}"
-        f"{'handle B/worker':>17}{'buckets':>9}{'slots':>7}",
     ]
-    for label, gbps in (
-        ("memcpy, tensors into flat buffer", memcpy),
-        ("memcpy, one contiguous copy", result["memcpy_contiguous_gbps"]),
-    ):
-        lines.append(
-            f"{label:<34}{gbps:>7.2f}{gbps / memcpy:>10.2f}{nbytes / gbps / 1e6:>10.1f}"
-            f"{'-':>17}{'-':>9}{'-':>7}"
+    columns = (
+        Column("variant", 34, left=True),
+        Column("GB/s", 7, ".2f"),
+        Column("x memcpy", 10, ".2f"),
+        Column("ms/push", 10, ".1f"),
+        Column("handle B/worker", 17, ","),
+        Column("buckets", 9),
+        Column("slots", 7),
+    )
+    rows: list[tuple[object, ...]] = [
+        (label, gbps, gbps / memcpy, nbytes / gbps / 1e6, "-", "-", "-")
+        for label, gbps in (
+            ("memcpy, tensors into flat buffer", memcpy),
+            ("memcpy, one contiguous copy", result["memcpy_contiguous_gbps"]),
         )
-    lines += [
-        f"{v['label']:<34}{v['gbps']:>7.2f}{v['ratio_to_memcpy']:>10.2f}"
-        f"{v['seconds'] * 1e3:>10.1f}{v['handle_bytes_per_worker']:>17,}"
-        f"{v['buckets']:>9}{v['slots']:>7}"
+    ]
+    rows += [
+        (
+            v["label"],
+            v["gbps"],
+            v["ratio_to_memcpy"],
+            v["seconds"] * 1e3,
+            v["handle_bytes_per_worker"],
+            v["buckets"],
+            v["slots"],
+        )
         for v in result["variants"]
     ]
+    lines += table(columns, rows)
     stages = ", ".join(f"{k} {s * 1e3:.1f}" for k, s in result["stages"].items())
     filtered = result["handle_bytes_per_worker"]
     a = result["baselines"]["broadcast_all"]
@@ -843,7 +731,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         result = run(args.size_mib, args.repeats, progress=progress_line)
-    except BenchVerificationError as exc:
+    except VerificationError as exc:
         print(f"asyncrefit bench: VERIFICATION FAILED: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else format_table(result))
@@ -858,13 +746,18 @@ def format_plan(size_mib: int, bucket_bytes: int) -> str:
         f"synthetic set: {len(specs)} tensors, {plan.payload_bytes / MIB:.2f} MiB; "
         f"bucket {bucket_bytes / MIB:g} MiB, alignment {plan.alignment} B",
         "",
-        f"{'bucket':>6}{'tensors':>9}{'MiB':>10}  first .. last tensor",
     ]
-    lines += [
-        f"{b.index:>6}{len(b.entries):>9}{b.nbytes / MIB:>10.2f}  "
-        f"{b.entries[0].name} .. {b.entries[-1].name}"
+    columns = (
+        Column("bucket", 6),
+        Column("tensors", 9),
+        Column("MiB", 10, ".2f"),
+        Column("first .. last tensor", left=True, gap=2),
+    )
+    rows = [
+        (b.index, len(b.entries), b.nbytes / MIB, f"{b.entries[0].name} .. {b.entries[-1].name}")
         for b in plan.buckets
     ]
+    lines += table(columns, rows)
     padded = sum(b.nbytes for b in plan.buckets)
     lines += [
         "",
