@@ -268,3 +268,27 @@ async def test_worker_killed_mid_push_then_gpu_memory_returns_to_baseline() -> N
         await anyio.sleep(0.2)
         free_after = torch.cuda.mem_get_info()[0]
     assert free_after >= free_before - tolerance, (free_before - free_after) / MIB
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_zero_copy_slabs_refit_bitwise_while_the_trainer_trains_in_place() -> None:
+    from asyncrefit.trainer import CudaSharedParameterTrainer
+
+    model = make_gpu_mixed()
+    trainer = CudaSharedParameterTrainer(model, device=0)
+    dev = trainer.device_id
+    async with spawn_local_workers(make_gpu_mixed, 2, devices=[dev, dev]) as workers:
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=256 * 1024
+        ) as refit:
+            for version in (1, 2, 3):
+                step(model, version)  # in place: the slabs change under the parameters
+                report = await refit.push(version)
+                assert report.buckets > 2
+                await assert_hold(workers, model, version)
+            assert trainer.relocated == 0
+            model.e.data = model.e.data.clone() + 1  # replaced: copied back at the push
+            await refit.push(4)
+            await assert_hold(workers, model, 4)
+            assert trainer.relocated == 1

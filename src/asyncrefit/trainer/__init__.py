@@ -6,9 +6,12 @@
   source; the coordinator drives it through every push.
 - :class:`ConvertingSource`: full, engine-named tensors that a conversion function
   makes (from Megatron TP/PP/EP shards, fused ``qkv`` and ``gate_up``), bucket by bucket.
+- :class:`CudaSharedParameterTrainer`: zero-copy on one GPU, the parameters living in
+  CUDA IPC-shared slabs (one copy per consumer, none on the trainer's side).
 """
 
 from ._convert import ConvertingSource as ConvertingSource
+from ._cuda_shared import CudaSharedParameterTrainer as CudaSharedParameterTrainer
 from ._dtensor import DTensorSource as DTensorSource
 from ._rank import RankPush as RankPush
 from ._rank import RankServer as RankServer
@@ -17,6 +20,7 @@ from ._rank import rank_path as rank_path
 
 __all__ = (
     "ConvertingSource",
+    "CudaSharedParameterTrainer",
     "DTensorSource",
     "RankPush",
     "RankServer",

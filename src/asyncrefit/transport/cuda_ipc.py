@@ -92,6 +92,42 @@ class CudaIpcHandle(Handle):
     event_handle: bytes
 
 
+def share_cuda_tensor(tensor: torch.Tensor) -> tuple[bytes, int, int]:
+    """Share the allocation under a CUDA ``tensor``: ``(ipc_handle, bytes, offset)``.
+
+    The handle names the whole allocation; ``offset`` is where the tensor's storage
+    starts in it and ``bytes`` its size. torch's own reader count for the share is
+    dropped at once: our protocol (acks, ``release_handles``, close) decides when the
+    memory is freed, and a reader that is killed would never release torch's count.
+    """
+    import torch
+
+    storage: Any = tensor.untyped_storage()
+    (
+        _device,
+        ipc_handle,
+        storage_bytes,
+        storage_offset,
+        ref_counter,
+        ref_counter_offset,
+        _event,
+        _event_sync,
+    ) = storage._share_cuda_()
+    release: Any = torch.UntypedStorage._release_ipc_counter_cuda
+    release(ref_counter, ref_counter_offset)
+    return bytes(ipc_handle), int(storage_bytes), int(storage_offset)
+
+
+def interprocess_event(index: int) -> tuple[Any, bytes]:
+    """A new interprocess CUDA event on local GPU ``index``, and its IPC handle."""
+    import torch
+
+    event_cls: Any = torch.cuda.Event  # untyped in torch's stubs
+    with torch.cuda.device(index):  # the event is created on this GPU
+        event = event_cls(interprocess=True)
+        return event, bytes(event.ipc_handle())
+
+
 def _ipc_collect() -> None:
     """``torch.cuda.ipc_collect()``: free what torch kept for IPC consumers."""
     import torch
@@ -236,39 +272,20 @@ class CudaIpcExporter:
 
         try:
             tensor = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", self._index))
-            storage: Any = tensor.untyped_storage()
-            (
-                _device,
-                ipc_handle,
-                storage_bytes,
-                storage_offset,
-                ref_counter,
-                ref_counter_offset,
-                _event,
-                _event_sync,
-            ) = storage._share_cuda_()
-            # torch now counts one reader that must release this share before the
-            # memory may be freed; a reader that is killed never would. Our protocol
-            # (acks, release_handles, close) decides when the slot is freed, so drop
-            # torch's count right away: freeing the slot then frees its memory.
-            release: Any = torch.UntypedStorage._release_ipc_counter_cuda
-            release(ref_counter, ref_counter_offset)
+            ipc_handle, storage_bytes, storage_offset = share_cuda_tensor(tensor)
             event: Any = None
             event_handle = b""
             if not self._host_sync:
-                event_cls: Any = torch.cuda.Event  # untyped in torch's stubs
-                with torch.cuda.device(self._index):  # the event is created on this GPU
-                    event = event_cls(interprocess=True)
-                    event_handle = bytes(event.ipc_handle())
+                event, event_handle = interprocess_event(self._index)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
             raise TransportError(
                 f"cannot allocate a {size}-byte CUDA IPC slot on cuda:{self._index}: {exc}"
             ) from exc
         return _Slot(
             tensor=tensor,
-            ipc_handle=bytes(ipc_handle),
-            storage_bytes=int(storage_bytes),
-            storage_offset=int(storage_offset),
+            ipc_handle=ipc_handle,
+            storage_bytes=storage_bytes,
+            storage_offset=storage_offset,
             event=event,
             event_handle=event_handle,
         )
@@ -413,7 +430,7 @@ class CudaIpcImporter:
     before any byte is copied.
     """
 
-    def __init__(self, max_cached: int = 16) -> None:
+    def __init__(self, max_cached: int = 1024) -> None:
         self._max = max_cached
         self._cache: OrderedDict[tuple[str, int], _Opened] = OrderedDict()
         self._running: set[int] = set()  # GPUs with copies that finish() left running
@@ -490,10 +507,7 @@ class CudaIpcImporter:
         stream = torch.cuda.current_stream(index)
         if handle.ordered and entry is not None:
             if entry.copied is None:
-                event_cls: Any = torch.cuda.Event
-                with torch.cuda.device(index):
-                    entry.copied = event_cls(interprocess=True)
-                entry.token = bytes(entry.copied.ipc_handle())
+                entry.copied, entry.token = interprocess_event(index)
             entry.copied.record(stream)
             self._running.add(index)
             return entry.token
