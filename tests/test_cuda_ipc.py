@@ -288,7 +288,8 @@ async def test_zero_copy_slabs_refit_bitwise_while_the_trainer_trains_in_place()
                 assert report.buckets > 2
                 await assert_hold(workers, model, version)
             assert trainer.relocated == 0
-            model.e.data = model.e.data.clone() + 1  # replaced: copied back at the push
+            e = dict(model.named_parameters())["e"]
+            e.data = e.data.clone() + 1  # replaced: copied back into its slab at the push
             await refit.push(4)
             await assert_hold(workers, model, 4)
             assert trainer.relocated == 1
