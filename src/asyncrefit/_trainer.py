@@ -232,6 +232,9 @@ class _SlotSource(_SourceBase):
         self._prepared = False
         self._checksum = False
         self._order: dict[int, tuple[bytes, ...]] = {}  # slot -> consumers' tokens
+        # (id of a slot's buffer, bucket) -> (the buffer, each entry's flat view and
+        # shaped view): built at a bucket's first pack into a slot, dropped with the slots.
+        self._views: dict[tuple[int, int], _EntryViews] = {}
 
     @property
     def exporter(self) -> Exporter:
@@ -246,7 +249,25 @@ class _SlotSource(_SourceBase):
 
     def _allocate(self, slots: int, slot_bytes: int) -> None:
         with self._buffer_lock:
+            self._views.clear()
             self._exporter.allocate(slots, slot_bytes)
+
+    def _entry_views(
+        self, bucket: Bucket, buffer: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The places of ``bucket``'s entries in ``buffer``: flat, and in their shapes."""
+        key = (id(buffer), bucket.index)
+        cached = self._views.get(key)
+        if cached is not None and cached[0] is buffer and len(cached[1]) == len(bucket.entries):
+            return cached[1], cached[2]
+        flat = [entry_view(buffer, e) for e in bucket.entries]
+        shaped = [v.view(e.shape) for v, e in zip(flat, bucket.entries, strict=True)]
+        self._views[key] = (buffer, flat, shaped)
+        return flat, shaped
+
+    def _close_slots(self) -> None:
+        self._views.clear()  # the views would keep the slots' memory alive
+        self._exporter.close()
 
     def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Pack ``bucket`` into the flat ``uint8`` ``buffer`` (in a worker thread, under
@@ -303,7 +324,10 @@ class _SlotSource(_SourceBase):
         A cancelled ``aclose`` still frees them (the close goes on in its thread).
         """
         self._prepared = False
-        await self._close_in_thread(self._exporter.close)
+        await self._close_in_thread(self._close_slots)
+
+
+_EntryViews: TypeAlias = "tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]"
 
 
 def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -355,15 +379,26 @@ class LocalTrainer(_InProcessSource, _SlotSource):
         return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
 
     def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+        import torch
+
         tensors = self._read()
-        packed = []
+        flat, shaped = self._entry_views(bucket, buffer)
+        sources = []
         for e in bucket.entries:
             with self._packing(bucket.index, e):
-                tensor = self._tensor(tensors, bucket.index, e)
-                dst = entry_view(buffer, e)
-                self._copy_into(dst.view(e.shape), tensor, e.name)
-            packed.append(dst)
-        return packed
+                sources.append(self._tensor(tensors, bucket.index, e))
+        if type(self)._copy_into is LocalTrainer._copy_into and sources:
+            # One call for the bucket's copies (and casts): the host's cost per tensor,
+            # not the bytes, bounds a GPU pack of many small tensors.
+            try:
+                torch._foreach_copy_(shaped, sources)
+                return flat
+            except Exception:
+                pass  # copy one by one below: the failure then names its parameter
+        for e, dst, tensor in zip(bucket.entries, shaped, sources, strict=True):
+            with self._packing(bucket.index, e):
+                self._copy_into(dst, tensor, e.name)
+        return flat
 
     def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         """Write ``tensor``'s value into its place ``dst`` (cast to ``dst``'s dtype)."""

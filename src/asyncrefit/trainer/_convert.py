@@ -410,7 +410,7 @@ class ConvertingSource(_SlotSource):
         try:
             self._feed.end()
         finally:
-            self._exporter.close()
+            self._close_slots()
 
     # --- packing (in a worker thread, holding the buffer lock) --------------------------
 
