@@ -158,6 +158,15 @@ class CudaIpcExporter:
     With ``host_sync``, :meth:`seal` waits for the pack on the host instead of
     recording the slot's event for the consumers to wait on.
 
+    With ``device_ordering`` (default), a trainer source that passes it the consumers'
+    tokens (:class:`~asyncrefit.LocalTrainer` under a coordinator does) marks handles
+    ``ordered``: a consumer acks once its copies are enqueued, and the repack of the
+    slot waits on the GPU for the consumer's "copied" event instead of a host round
+    trip. The price: a consumer process killed after its ack but before its copies
+    ran leaves an event whose last record never completes, and the trainer's stream
+    may then wait on it. ``device_ordering=False`` keeps every ack after the copies
+    completed on the consumer's host.
+
     Resource handling: :meth:`allocate` allocates (or keeps) the slots and shares
     each one once; :meth:`close` waits for the stream, frees every slot, collects
     torch's IPC bookkeeping (``torch.cuda.ipc_collect()``) and is idempotent. The
@@ -178,6 +187,7 @@ class CudaIpcExporter:
         node: str | None = None,
         release_cached_memory: bool = True,
         host_sync: bool = False,
+        device_ordering: bool = True,
     ) -> None:
         import torch
 
@@ -192,6 +202,7 @@ class CudaIpcExporter:
         self._slots: list[_Slot] = []
         self._slot_bytes = 0
         self._ordered = False
+        self._device_ordering = device_ordering
         self._consumer_events: dict[bytes, Any] = {}  # token -> the consumer's event, opened
 
     def __repr__(self) -> str:
@@ -222,7 +233,7 @@ class CudaIpcExporter:
 
     @ordered.setter
     def ordered(self, value: bool) -> None:
-        self._ordered = value
+        self._ordered = value and self._device_ordering
 
     def order_after(self, slot: int, tokens: Sequence[bytes]) -> None:
         """Make this thread's stream wait for the consumers' copies out of ``slot``.
