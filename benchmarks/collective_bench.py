@@ -31,7 +31,7 @@ from asyncrefit.tools._machine import machine_info
 from asyncrefit.tools._table import Column, markdown_table
 from asyncrefit.tools._verify import module_digests, verify_workers
 from asyncrefit.tools.bench import fill_random, synthetic_model
-from asyncrefit.transport.collective import CollectiveTrainer
+from asyncrefit.trainer import CollectiveTrainer
 
 MIB = 1 << 20
 WORKERS = 3

@@ -18,11 +18,11 @@ from asyncrefit import (
     WorkerRemoteError,
 )
 from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.trainer import CollectiveTrainer
 from asyncrefit.transport._base import make_importer
 from asyncrefit.transport.collective import (
     CollectiveHandle,
     CollectiveImporter,
-    CollectiveTrainer,
     local_address_towards,
 )
 

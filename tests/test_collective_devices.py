@@ -22,8 +22,9 @@ import torch
 
 from asyncrefit import DeviceId, TransportError, plan_buckets
 from asyncrefit._cuda import cuda_device
+from asyncrefit.trainer import CollectiveTrainer
 from asyncrefit.transport import collective
-from asyncrefit.transport.collective import CollectiveHandle, CollectiveImporter, CollectiveTrainer
+from asyncrefit.transport.collective import CollectiveHandle, CollectiveImporter
 
 CUDA1 = torch.device("cuda", 1)
 UUID1 = "GPU-11111111-2222-3333-4444-555555555555"

@@ -52,12 +52,12 @@ from ._receiver import ParameterReceiver as ParameterReceiver
 from ._receiver import VersionState as VersionState
 from ._report import RefitReport as RefitReport
 from ._report import StageTimes as StageTimes
-from ._trainer import LocalTrainer as LocalTrainer
-from ._trainer import SharedParameterTrainer as SharedParameterTrainer
 from ._worker import SourceInfo as SourceInfo
 from ._worker import TrainerSource as TrainerSource
 from ._worker import TransmittingSource as TransmittingSource
 from ._worker import Worker as Worker
+from .trainer._local import LocalTrainer as LocalTrainer
+from .trainer._local import SharedParameterTrainer as SharedParameterTrainer
 
 __version__ = "0.1.0"
 

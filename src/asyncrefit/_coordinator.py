@@ -44,7 +44,6 @@ from ._messages import LoadBucket, encoded_size
 from ._plan import DEFAULT_ALIGNMENT, Plan, check_specs
 from ._report import RefitReport, StageTimes
 from ._topology import Topology, plan_topology
-from ._trainer import LocalTrainer
 from ._worker import (
     OrderedSource,
     PushEndingSource,
@@ -53,6 +52,7 @@ from ._worker import (
     TransmittingSource,
     Worker,
 )
+from .trainer._local import LocalTrainer
 from .transport._base import Handle
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ import anyio
 
 from .._device import DeviceId
 from .._exceptions import AsyncRefitError, SourceDiedError, SourceError, SourceRemoteError
-from .._trainer import LocalTrainer, NamesLike, TensorsLike
-from .._trainer import _reader as reader
 from .._worker import SourceInfo
+from ..trainer._local import LocalTrainer, NamesLike, TensorsLike
+from ..trainer._local import _reader as reader
 from ..transport._base import Handle
 from ._cluster import current_node_id, sweep_node_segments
 from ._errors import source_errors

@@ -6,10 +6,13 @@
   source; the coordinator drives it through every push.
 - :class:`ConvertingSource`: full, engine-named tensors that a conversion function
   makes (from Megatron TP/PP/EP shards, fused ``qkv`` and ``gate_up``), bucket by bucket.
+- :class:`CollectiveTrainer`: packs into its own slots and broadcasts them to workers
+  that share no memory with it (another node, another GPU), over a dedicated group.
 - :class:`CudaSharedParameterTrainer`: zero-copy on one GPU, the parameters living in
   CUDA IPC-shared slabs (one copy per consumer, none on the trainer's side).
 """
 
+from ._collective import CollectiveTrainer as CollectiveTrainer
 from ._convert import ConvertingSource as ConvertingSource
 from ._cuda_shared import CudaSharedParameterTrainer as CudaSharedParameterTrainer
 from ._dtensor import DTensorSource as DTensorSource
@@ -19,6 +22,7 @@ from ._rank import RankSource as RankSource
 from ._rank import rank_path as rank_path
 
 __all__ = (
+    "CollectiveTrainer",
     "ConvertingSource",
     "CudaSharedParameterTrainer",
     "DTensorSource",

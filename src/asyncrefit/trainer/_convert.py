@@ -19,8 +19,8 @@ from .._device import DeviceId
 from .._dtypes import cast_problem, dtype_name, torch_dtype
 from .._exceptions import PackError
 from .._plan import ParamSpec
-from .._trainer import _SlotSource, entry_view
 from .._worker import SourceInfo
+from ._local import _SlotSource, entry_view
 
 if TYPE_CHECKING:
     import torch

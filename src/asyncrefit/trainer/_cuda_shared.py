@@ -13,8 +13,8 @@ import anyio
 from .._cuda import cuda_device, device_index
 from .._device import DeviceId
 from .._exceptions import ClosedError, PackError, TransportError
-from .._trainer import NamesLike, _InProcessSource, entry_view
 from ..transport._base import Handle
+from ._local import NamesLike, _InProcessSource, entry_view
 
 if TYPE_CHECKING:
     import torch

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .._trainer import LocalTrainer, NamesLike, TensorsLike
 from ._gather import gather_into
+from ._local import LocalTrainer, NamesLike, TensorsLike
 
 if TYPE_CHECKING:
     import torch

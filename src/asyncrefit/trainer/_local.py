@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
-from ._checksum import checksum
-from ._device import DeviceId, local_node_id
-from ._dtypes import dtype_name, torch_dtype
-from ._exceptions import ClosedError, PackError
-from ._names import as_name_map, engine_named
-from ._plan import ParamSpec
-from ._worker import SourceInfo
-from .transport._base import Exporter, Handle, OrderingExporter
+from .._checksum import checksum
+from .._device import DeviceId, local_node_id
+from .._dtypes import dtype_name, torch_dtype
+from .._exceptions import ClosedError, PackError
+from .._names import as_name_map, engine_named
+from .._plan import ParamSpec
+from .._worker import SourceInfo
+from ..transport._base import Exporter, Handle, OrderingExporter
 
 if TYPE_CHECKING:
     import torch
 
-    from ._plan import Bucket, Plan, TensorEntry
-    from .transport.shm import ShmHandle, _Segment
+    from .._plan import Bucket, Plan, TensorEntry
+    from ..transport.shm import ShmHandle, _Segment
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class _SlotSource(_SourceBase):
 
     def _init_slots(self, exporter: Exporter | None) -> None:
         if exporter is None:
-            from .transport.shm import SharedMemoryExporter
+            from ..transport.shm import SharedMemoryExporter
 
             exporter = SharedMemoryExporter()
         self._exporter = exporter
@@ -471,7 +471,7 @@ class SharedParameterTrainer(_InProcessSource):
     def _layout_locked(self, plan: Plan) -> None:
         import torch
 
-        from .transport.shm import _Segment, segment_name
+        from ..transport.shm import _Segment, segment_name
 
         if plan.fingerprint == self._fingerprint and self._segments:
             return
@@ -553,7 +553,7 @@ class SharedParameterTrainer(_InProcessSource):
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
     ) -> tuple[Handle, ...]:
-        from .transport.shm import ShmHandle
+        from ..transport.shm import ShmHandle
 
         if bucket.index not in self._segments:
             raise ClosedError(f"trainer source {self._name!r} has no segments (not prepared)")
@@ -585,7 +585,7 @@ class SharedParameterTrainer(_InProcessSource):
 
 def _unlink_segment(segment: _Segment) -> None:
     """Remove the name; the memory lives on in the parameters' views."""
-    from .transport.shm import _unlink
+    from ..transport.shm import _unlink
 
     segment.tensor = None
     segment.mapping = None  # views hold the mapping; it is unmapped with the last one
