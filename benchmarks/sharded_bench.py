@@ -213,6 +213,7 @@ def rank_main(rank: int, config: RankConfig, results: Any) -> None:
                     source.pack_seconds, source.packs = 0.0, 0
                     reset_peak_rss()
                     before, _ = rss_bytes()
+                    modules = len(sys.modules)
                     start = time.perf_counter()
                     outcome = await server.serve_push()
                     serve_seconds = time.perf_counter() - start
@@ -224,6 +225,9 @@ def rank_main(rank: int, config: RankConfig, results: Any) -> None:
                         "extra_bytes": peak - before,
                         "rss_bytes": before,
                         "rss_after_bytes": after,
+                        # modules first imported during this push (their code is
+                        # resident memory too, once)
+                        "modules_imported": len(sys.modules) - modules,
                     }
                     results.put(("push", rank, push, stats))
                     if outcome.closed:
@@ -576,7 +580,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['largest_fp32_tensor_bytes'] / MIB:.1f}:",
         "  first push (maps the slots): "
         + ", ".join(f"{r['extra_bytes'] / MIB:.1f}" for r in sharded["warmup_ranks"])
-        + f" ({verdict(first)})",
+        + f" ({verdict(first)}; modules first imported during it: "
+        + ", ".join(str(r.get("modules_imported", "?")) for r in sharded["warmup_ranks"])
+        + ")",
         "  later pushes, max: "
         + ", ".join(
             f"{max(p[r]['extra_bytes'] for p in sharded['ranks']) / MIB:.1f}"
