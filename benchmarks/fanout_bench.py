@@ -24,17 +24,21 @@ One run, all in one process (the coordinator's), torch at one thread (``--thread
 **Coordinator CPU per worker per bucket** is the coordinator process's CPU time
 (``time.process_time``: every thread, so the trainer's pack thread too) over a push,
 less the CPU time of the byte copies the push makes in this process, divided by
-workers x buckets. The copies are measured separately, in the same run, by the
-**copy replay**: the exact copies of one push (each bucket's tensors packed into a
-bucket-sized flat buffer, two alternating like the slots, then, for in-process
+workers x buckets; median over the timed pushes. The copies are measured by the
+**copy replay**, run in one thread right before each timed push (so both see the same
+machine; CPU time, ``time.thread_time``, so being descheduled on a shared machine
+counts on neither side): the exact copies of one push (each bucket's tensors packed
+into a bucket-sized flat buffer, two alternating like the slots, then, for in-process
 workers, copied out of it into each worker's own parameter tensors, bucket after
 bucket, worker after worker, as the push orders them), with every view made before
-the clock starts, in one thread, best of ``--replays`` (5). The replay is also the
-**memcpy limit** of the push (one thread; local workers copy in parallel on the
-machine's cores, so their limit is at most that much lower). For local processes only
-the pack is subtracted (the workers' copies are in their own processes). What is left
-is the coordinator's own work: dispatch, bookkeeping, serialization, the receivers'
-validation and views (for in-process workers), the event loop.
+the clock starts; the two slot buffers are shared memory, as the trainer's are. For
+local processes only the pack is subtracted (the workers'
+copies are in their own processes). What is left is the coordinator's own work:
+dispatch, bookkeeping, serialization, the receivers' validation and views (for
+in-process workers), the event loop. The **memcpy limit** of a push is the whole
+replay (pack and every worker's copies; scratch destinations for local workers),
+wall clock, best of ``--replays`` (5), one thread: local workers copy in parallel on
+the machine's cores, so their limit may be up to that many times lower.
 
 The in-process rows also report the time spent inside ``ParameterReceiver.load`` (wall
 clock per call, summed; it includes the copies) per worker per bucket.
@@ -77,6 +81,7 @@ from asyncrefit import (
 from asyncrefit._bench import append_to_section, machine_info, machine_line, module_from_specs
 from asyncrefit._receiver import tensor_digest
 from asyncrefit.transport import Handle
+from asyncrefit.transport.shm import SharedMemoryExporter
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
 SECTION = "## Coordinator fan-out"
@@ -164,45 +169,58 @@ class InProcessWorker:
 # --- the copy replay (the limit, and what is subtracted) -------------------------------
 
 
-def copy_replay(
-    trainer: dict[str, torch.Tensor],
-    specs: Sequence[ParamSpec],
-    bucket_bytes: int,
-    destinations: Sequence[dict[str, torch.Tensor]],
-    runs: int,
-) -> tuple[float, float]:
-    """Best-of-``runs`` seconds of (pack only, pack and every destination's copies).
+class CopyReplay:
+    """The exact copies of one push, in one thread, without any coordination.
 
-    ``destinations`` are the in-process workers' parameters (empty for local ones).
+    Each bucket's tensors are packed into a bucket-sized flat buffer (two, alternating
+    like the slots), then copied out of it into every destination's tensors
+    (``destinations``: the in-process workers' parameters, or scratch sets as many
+    as local workers), bucket after bucket, destination after destination, as a push
+    orders them. The two buffers are shared memory, as the trainer's slots are. Every
+    view is made here, before any clock starts. :meth:`close` frees the buffers.
     """
-    plan = plan_buckets(specs, bucket_bytes=bucket_bytes, alignment=ALIGNMENT)
-    slots = [torch.ones(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
-    packs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    loads: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    for bucket in plan.buckets:
-        slot = slots[bucket.index % 2]
-        views = {
-            e.name: slot[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape)
-            for e in bucket.entries
-        }
-        packs.append([(views[e.name], trainer[e.name]) for e in bucket.entries])
-        loads.append([(d[e.name], views[e.name]) for d in destinations for e in bucket.entries])
 
-    def run(with_loads: bool) -> float:
-        t = time.perf_counter()
-        for pack, load in zip(packs, loads, strict=True):
-            for dst, src in pack:
-                dst.copy_(src)
-            if with_loads:
-                for dst, src in load:
+    def __init__(
+        self,
+        trainer: dict[str, torch.Tensor],
+        specs: Sequence[ParamSpec],
+        bucket_bytes: int,
+        destinations: Sequence[dict[str, torch.Tensor]],
+    ) -> None:
+        plan = plan_buckets(specs, bucket_bytes=bucket_bytes, alignment=ALIGNMENT)
+        # Shared memory like the trainer's slots (its pages are not huge pages).
+        self._exporter = SharedMemoryExporter()
+        self._exporter.allocate(2, bucket_bytes)
+        slots = [self._exporter.buffer(i) for i in range(2)]
+        self._packs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._loads: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for bucket in plan.buckets:
+            slot = slots[bucket.index % 2]
+            views = {
+                e.name: slot[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape)
+                for e in bucket.entries
+            }
+            self._packs.append([(views[e.name], trainer[e.name]) for e in bucket.entries])
+            self._loads.append(
+                [(d[e.name], views[e.name]) for d in destinations for e in bucket.entries]
+            )
+        self.run(loads=True)  # warm: every destination touched
+
+    def close(self) -> None:
+        self._packs, self._loads = [], []
+        self._exporter.close()
+
+    def run(self, *, loads: bool) -> tuple[float, float]:
+        """Replay the pack (and the loads); returns (thread CPU seconds, wall seconds)."""
+        c, t = time.thread_time(), time.perf_counter()
+        with torch.no_grad():
+            for pack, load in zip(self._packs, self._loads, strict=True):
+                for dst, src in pack:
                     dst.copy_(src)
-        return time.perf_counter() - t
-
-    with torch.no_grad():
-        run(True)
-        pack_only = min(run(False) for _ in range(runs))
-        whole = min(run(True) for _ in range(runs))
-    return pack_only, whole
+                if loads:
+                    for dst, src in load:
+                        dst.copy_(src)
+        return time.thread_time() - c, time.perf_counter() - t
 
 
 # --- one variant -----------------------------------------------------------------------
@@ -269,12 +287,22 @@ async def _measure(
         report = await refit.push(version=1)
         assert report.buckets == args.buckets, report.buckets
         await _verify(trainer, workers, variant.key)
+        replay = CopyReplay(
+            trainer,
+            specs,
+            variant.bucket_bytes,
+            [w.parameters for w in workers] if inprocess else _scratch(specs, variant.workers),
+        )
         walls: list[float] = []
         cpus: list[float] = []
+        copies: list[float] = []
         loads: list[float] = []
         handle_bytes = 0
         profiler = cProfile.Profile() if args.profile else None
         for r in range(args.repeats):
+            # The copies to subtract, replayed right before each push: the pack and,
+            # for in-process workers, their loads (local workers copy elsewhere).
+            copies.append(replay.run(loads=inprocess)[0])
             for w in workers if inprocess else ():
                 w.load_seconds = 0.0
             c, t = time.process_time(), time.perf_counter()
@@ -289,16 +317,10 @@ async def _measure(
                 loads.append(sum(w.load_seconds for w in workers))
             handle_bytes = report.handle_bytes_per_worker[workers[0].name]
         await _verify(trainer, workers, variant.key)
-    pack, whole = copy_replay(
-        trainer,
-        specs,
-        variant.bucket_bytes,
-        [w.parameters for w in workers] if inprocess else [],
-        args.replays,
-    )
-    subtracted = whole if inprocess else pack
+        limit = min(replay.run(loads=True)[1] for _ in range(args.replays))
+        replay.close()
     n, b = variant.workers, args.buckets
-    cpu = statistics.median(cpus)
+    own = [cpu - copy for cpu, copy in zip(cpus, copies, strict=True)]
     result: dict[str, Any] = {
         "kind": variant.kind,
         "workers": n,
@@ -307,19 +329,13 @@ async def _measure(
         "bytes_delivered": n * b * variant.bucket_bytes,
         "push_seconds": statistics.median(walls),
         "push_seconds_all": walls,
-        "cpu_seconds": cpu,
-        "copy_seconds": subtracted,
-        "pack_seconds": pack,
-        "memcpy_limit_seconds": whole,
-        "coordinator_us_per_worker_bucket": max(0.0, cpu - subtracted) / (n * b) * 1e6,
+        "cpu_seconds": statistics.median(cpus),
+        "copy_seconds": statistics.median(copies),
+        "memcpy_limit_seconds": limit,
+        "coordinator_us_per_worker_bucket": max(0.0, statistics.median(own)) / (n * b) * 1e6,
         "handle_bytes_per_worker": handle_bytes,
         "verified": True,
     }
-    if not inprocess:
-        # The workers' copies, replayed in this process: the serial limit of the loads.
-        result["memcpy_limit_seconds"] = copy_replay(
-            trainer, specs, variant.bucket_bytes, _scratch(specs, n), args.replays
-        )[1]
     if inprocess:
         result["load_us_per_worker_bucket"] = statistics.median(loads) / (n * b) * 1e6
     if profiler is not None:
