@@ -566,3 +566,25 @@ async def test_a_rank_that_died_is_the_cause_not_its_peers_failed_gather() -> No
             assert rank.started == [0, 1], rank.name  # no rank began bucket 2
         assert refit.statistics().in_use == 0
     assert own_segments() == []
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+async def test_handle_bytes_are_the_encoded_size_of_every_load_request(broadcast: bool) -> None:
+    """The sizes are remembered across pushes, so versions cross every integer width."""
+    model = make_mlp()
+    workers = fakes(model, 3)
+    async with RefitCoordinator(
+        trainer=model,
+        workers=workers,
+        budget_bytes=128 * KIB,
+        bucket_bytes=64 * KIB,
+        broadcast_all_handles=broadcast,
+    ) as refit:
+        for version in (1, 2, 255, 256, 257, 65535, 65536, 2**31, 2**40):
+            for w in workers:
+                w.load_bytes.clear()
+            step(model, version % 7)
+            report = await refit.push(version)
+            assert report.buckets >= 2
+            assert report.handle_bytes_per_worker == {w.name: sum(w.load_bytes) for w in workers}
+            assert all(w.equals(model) for w in workers)

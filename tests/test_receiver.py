@@ -593,3 +593,142 @@ def test_tensor_digest_is_bitwise() -> None:
     assert tensor_digest(torch.empty(0, 4)) != tensor_digest(torch.empty(4, 0))
     bf = random_tensor((3,), torch.bfloat16, 1)
     assert tensor_digest(bf) != tensor_digest(bf.view(torch.float16))
+
+
+# --- ParameterReceiver: handles seen before -------------------------------------------
+
+
+def test_a_handle_seen_before_is_not_checked_again_and_still_delivers(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncrefit._receiver as receiver_module
+
+    source = make_source()
+    params = destination_like(source)
+    plan = plan_buckets(specs_of(source), 1024)
+    exporter.allocate(2, plan.max_bucket_bytes)
+    checks: list[int] = []
+    real = receiver_module.check_layout
+
+    def counting(handle: Handle, buffer_bytes: int | None = None) -> None:
+        checks.append(handle.bucket)
+        real(handle, buffer_bytes)
+
+    monkeypatch.setattr(receiver_module, "check_layout", counting)
+    receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
+    try:
+        push(receiver, exporter, plan, source, version=1)
+        first = len(checks)
+        assert first >= len(plan.buckets)
+        for version, seed in ((2, 7), (3, 8)):
+            fresh = make_source(seed=seed)
+            push(receiver, exporter, plan, fresh, version=version)  # equal, new handles
+            assert len(checks) == first
+            for n, t in fresh.items():
+                assert same_bits(params[n], t), n
+    finally:
+        receiver.close()
+
+
+def test_views_of_buffers_a_new_generation_replaced_are_not_kept(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter
+) -> None:
+    source = make_source()
+    params = destination_like(source)
+    plan = plan_buckets(specs_of(source), 1024)
+    exporter.allocate(2, plan.max_bucket_bytes)
+    receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
+    try:
+        push(receiver, exporter, plan, source, version=1)
+        # A re-plan: the exporter re-allocates (a new generation of segments); the
+        # importer unmaps the old ones when the first new name arrives. (Unmapped
+        # memory must never be read: views of it must not survive in the receiver.)
+        exporter.allocate(3, plan.max_bucket_bytes + 4096)
+        fresh = make_source(seed=3)
+        push(receiver, exporter, plan, fresh, version=2)
+        current = {id(exporter_view) for exporter_view in _opened(importer, exporter, plan)}
+        held = {id(p.buffer) for p in receiver._prepared.values()}
+        assert held and held <= current
+        for n, t in fresh.items():
+            assert same_bits(params[n], t), n
+        receiver.release_handles()
+        assert not receiver._prepared and len(importer) == 0
+    finally:
+        receiver.close()
+
+
+def _opened(
+    importer: SharedMemoryImporter, exporter: SharedMemoryExporter, plan: Plan
+) -> list[torch.Tensor]:
+    """The buffers ``importer`` returns now for the handles ``push`` sends."""
+    return [importer.open(exporter.handle(b.index % 2, b, DEV)) for b in plan.buckets]
+
+
+class _Shrinking:
+    """An importer over a real one that hands out a smaller buffer when told to."""
+
+    def __init__(self, inner: SharedMemoryImporter) -> None:
+        self.inner = inner
+        self.shrink = False
+
+    def open(self, handle: Handle) -> torch.Tensor:
+        buffer = self.inner.open(handle)
+        return buffer[:16].clone() if self.shrink else buffer
+
+    def finish(self, handle: Handle) -> bytes:
+        return self.inner.finish(handle)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_handle_seen_before_is_checked_against_a_new_buffer(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter
+) -> None:
+    shrinking = _Shrinking(importer)
+    params = {"first": torch.zeros(16), "w": torch.zeros(3, 4)}
+    receiver = ParameterReceiver(params, DEV, importers={"shm": shrinking})
+    try:
+        good = {"first": torch.full((16,), 1.5), "w": torch.full((3, 4), 2.5)}
+        handles = one_bucket(exporter, good)
+        receiver.begin(1)
+        receiver.load(1, 0, handles)
+        receiver.commit(1, 1)
+        before = snapshot(params)
+        shrinking.shrink = True  # the same handle now opens a 16-byte buffer
+        receiver.begin(2)
+        with pytest.raises(TransportError, match="outside the 16-byte buffer"):
+            receiver.load(2, 0, handles)
+        assert_unchanged(params, before)
+        assert receiver.state.dirty is False
+    finally:
+        receiver.close()
+
+
+def test_views_are_kept_of_at_most_max_viewed_buffers(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter
+) -> None:
+    from asyncrefit._receiver import MAX_VIEWED_BUFFERS
+
+    slots = MAX_VIEWED_BUFFERS + 3
+    source = {f"t{i}": torch.full((64,), float(i)) for i in range(slots)}
+    params = {n: torch.zeros(64) for n in source}
+    plan = plan_buckets(specs_of(source), 256)
+    assert len(plan.buckets) == slots
+    exporter.allocate(slots, plan.max_bucket_bytes)
+    receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
+    try:
+        for version in (1, 2):
+            receiver.begin(version)
+            for bucket in plan.buckets:  # every bucket in a slot of its own
+                pack(exporter, bucket.index, bucket, {n: t + version for n, t in source.items()})
+                receiver.load(version, bucket.index, (exporter.handle(bucket.index, bucket, DEV),))
+            receiver.commit(version, slots)
+            assert len({id(p.buffer) for p in receiver._prepared.values()}) == MAX_VIEWED_BUFFERS
+            for n, t in source.items():
+                assert same_bits(params[n], t + version), n
+    finally:
+        receiver.close()

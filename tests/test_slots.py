@@ -187,3 +187,13 @@ class SlotMachine(RuleBasedStateMachine):
 
 SlotMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestSlotMachine = SlotMachine.TestCase
+
+
+def test_reads_tells_who_may_still_read_a_slot() -> None:
+    table: SlotTable[str] = SlotTable(2)
+    slot = table.take()
+    table.reading(slot, "a")
+    table.reading(slot, "b")
+    table.acked(slot, "a")
+    assert not table.reads(slot, "a") and table.reads(slot, "b")
+    assert not table.reads(1 - slot, "b")

@@ -40,7 +40,7 @@ from ._exceptions import (
     remote_error,
 )
 from ._ledger import Ledger, Member
-from ._messages import LoadBucket, encoded_size
+from ._messages import LoadSizes
 from ._plan import DEFAULT_ALIGNMENT, Plan, check_specs
 from ._report import RefitReport, StageTimes
 from ._topology import Topology, plan_topology
@@ -171,6 +171,7 @@ class RefitCoordinator:
         self._cleanup_timeout = cleanup_timeout
         self._broadcast_all = broadcast_all_handles
         self._verify = verify
+        self._load_sizes = LoadSizes()  # handle bytes of the load requests, per push
 
         # The last topology that was validated and prepared; ``_stale`` once a
         # prepare began that did not finish (the sources' buffers may not match it).
@@ -312,9 +313,16 @@ class RefitCoordinator:
 
     # --- worker calls ---------------------------------------------------------------------
 
-    async def _call(self, member: Member, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Await one worker call under the timeout, translating errors to typed ones."""
+    async def _call(
+        self, member: Member, what: str, fn: Callable[[], Awaitable[T]], *, timed: bool = True
+    ) -> T:
+        """Await one worker call under the timeout, translating errors to typed ones.
+
+        ``timed=False``: the caller bounds the call (one deadline for a bucket's loads).
+        """
         try:
+            if not timed:
+                return await fn()
             with anyio.fail_after(self._timeout):
                 return await fn()
         except TimeoutError:
@@ -328,6 +336,10 @@ class RefitCoordinator:
             raise
         except Exception as exc:  # raised by an in-process worker: attribute it to it
             raise remote_error(member.name, type(exc).__name__, str(exc)) from exc
+
+    def _deadline(self) -> float:
+        """When a call starting now times out (``inf`` without a timeout)."""
+        return math.inf if self._timeout is None else anyio.current_time() + self._timeout
 
     def _settled(self, member: Member) -> None:
         """``member`` reads no slot any more: give the slots it freed back."""
@@ -563,6 +575,7 @@ class RefitCoordinator:
         assert topology is not None
         plan_seconds = time.perf_counter() - start
         members = self._ledger.begin(version)
+        self._load_sizes.next_push()
         account = _PushAccount(handle_bytes=dict.fromkeys((m.name for m in members), 0))
         try:
             await self._transfer(version, topology, members, account)
@@ -698,23 +711,34 @@ class RefitCoordinator:
 
             t = time.perf_counter()
             every = tuple(handles[d] for d in sorted(handles))
+            payload, index, sizes = bucket.payload_bytes, bucket.index, self._load_sizes
+            reading = self._ledger.slots.reading
             async with anyio.create_task_group() as tg:
                 for source in topology.used_sources:
                     src = self._sources[source]
                     if isinstance(src, TransmittingSource):
                         tg.start_soon(src.transmit, bucket, slot)
-                for member in members:
-                    mine = every if self._broadcast_all else (handles[member.device],)
-                    account.handle_bytes[member.name] += encoded_size(
-                        LoadBucket(version=version, bucket=bucket.index, handles=mine)
-                    )
-                    kind = handles[member.device].kind
-                    account.transport_bytes[kind] = (
-                        account.transport_bytes.get(kind, 0) + bucket.payload_bytes
-                    )
-                    self._ledger.slots.reading(slot, member)
-                    tg.start_soon(
-                        self._load_one, member, version, bucket.index, mine, slot, account
+                # One deadline for the bucket's loads (they all start now): the same
+                # bound as a timeout per call, without a cancel scope per worker.
+                with anyio.CancelScope(deadline=self._deadline()) as loads:
+                    async with anyio.create_task_group() as load_group:
+                        for member in members:
+                            handle = handles[member.device]
+                            mine = every if self._broadcast_all else (handle,)
+                            account.handle_bytes[member.name] += sizes.size(version, index, mine)
+                            kind = handle.kind
+                            account.transport_bytes[kind] = (
+                                account.transport_bytes.get(kind, 0) + payload
+                            )
+                            reading(slot, member)
+                            load_group.start_soon(
+                                self._load_one, member, version, index, mine, slot, account
+                            )
+                if loads.cancelled_caught:
+                    late = [m for m in members if self._ledger.slots.reads(slot, m)]
+                    raise WorkerTimeoutError(
+                        late[0].name if late else members[0].name,
+                        f"load_bucket({bucket.index}) got no answer within {self._timeout} s",
                     )
             account.load += time.perf_counter() - t
         finally:
@@ -778,7 +802,10 @@ class RefitCoordinator:
     ) -> None:
         worker = member.worker
         ack = await self._call(
-            member, f"load_bucket({bucket})", lambda: worker.load_bucket(version, bucket, handles)
+            member,
+            f"load_bucket({bucket})",
+            lambda: worker.load_bucket(version, bucket, handles),
+            timed=False,  # under the bucket's deadline
         )
         if ack.copied:  # its copies may still run: the next pack into the slot waits
             account.copied.setdefault(slot, {})[member] = ack.copied

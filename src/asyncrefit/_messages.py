@@ -186,3 +186,38 @@ def decode(data: bytes) -> Any:
 def encoded_size(message: object) -> int:
     """Bytes :func:`encode` makes of ``message``: what handle accounting reports."""
     return len(encode(message))
+
+
+class LoadSizes:
+    """:func:`encoded_size` of :class:`LoadBucket` messages, remembered across pushes.
+
+    The same bucket of the same slot comes with equal handles at every push, and a
+    message's size depends on its version only through the length of the version's
+    encoding (integers are written in line, never shared): so the size is kept by
+    (handles, bucket, that length) and computed once, the exact number
+    :func:`encoded_size` gives. Only the sizes used by the last push are kept (call
+    :meth:`next_push` at the start of each), so handles that change every push (a
+    checksum) do not accumulate.
+    """
+
+    __slots__ = ("_last", "_now", "_width")
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[tuple[Handle, ...], int, int], int] = {}
+        self._now: dict[tuple[tuple[Handle, ...], int, int], int] = {}
+        self._width: tuple[int, int] = (0, 0)  # (version, length of its encoding)
+
+    def next_push(self) -> None:
+        self._last, self._now = self._now, {}
+
+    def size(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> int:
+        if self._width[0] != version or not self._width[1]:
+            self._width = (version, len(encode(version)))
+        key = (handles, bucket, self._width[1])
+        size = self._now.get(key)
+        if size is None:
+            size = self._last.get(key)
+            if size is None:
+                size = encoded_size(LoadBucket(version=version, bucket=bucket, handles=handles))
+            self._now[key] = size
+        return size

@@ -149,16 +149,59 @@ def check_layout(handle: Handle, buffer_bytes: int | None = None) -> None:
             )
 
 
+#: At most this many distinct buffers are held through cached views (the CUDA IPC
+#: importer keeps 16 slots mapped): a handle of a further buffer is loaded uncached.
+MAX_VIEWED_BUFFERS = 16
+
+
+class _Prepared:
+    """A handle validated against the parameters and an opened buffer, with its copies.
+
+    Reused while the handle's importer returns the very same buffer for it: the
+    entries were then checked against exactly these parameters and this buffer.
+    ``epoch`` is the last push (``begin``) that used it.
+    """
+
+    __slots__ = ("buffer", "copies", "epoch", "nbytes", "params")
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        nbytes: int,
+        epoch: int,
+    ) -> None:
+        self.buffer = buffer
+        self.copies = copies  # (parameter, view of the buffer), in entry order
+        self.params = [dst for dst, _ in copies]
+        self.nbytes = nbytes
+        self.epoch = epoch
+
+
 class ParameterReceiver:
     """Copies buckets from transport handles into a worker's own parameter tensors.
 
     Importers are made on first use from the handle's ``kind`` by ``importer_factory``
     (default: :func:`asyncrefit.transport.make_importer`).
 
+    The parameters' shapes and dtypes are those of the tensors given here, for the
+    receiver's life (they are what :meth:`specs` reports, and what the coordinator
+    validated the plan against). A handle is validated in full the first time it
+    arrives (by value: the same bucket of the same slot comes with an equal handle at
+    every push), and its copies (views of the opened buffer, paired with the
+    parameters) are kept with it while its importer returns the same buffer for it;
+    a handle seen before is not checked again.
+
     Resource handling: handles are opened through per-transport importers that cache
-    their mappings across pushes; every slice of a buffer is dropped before
-    :meth:`load` returns, so returning (the ack) means the worker no longer reads the
-    trainer's buffer. :meth:`close` releases every cached mapping.
+    their mappings across pushes; the receiver keeps views of those cached buffers (of
+    at most :data:`MAX_VIEWED_BUFFERS` distinct buffers) and reads them only during
+    :meth:`load`, so returning (the ack) means the worker no longer reads the
+    trainer's buffer. A view is read only while the importer still returns the very
+    buffer it was made of (a mapping the importer dropped, possibly unmapped, is never
+    read through an old view); before a handle not seen before is opened (only such
+    an open maps anew, and may make the importer drop mappings) the views of earlier
+    pushes are dropped, and :meth:`release_handles` and :meth:`close` drop every view
+    before they release every cached mapping.
 
     Error handling: a bucket without a handle for this worker's device, or with any
     entry that does not match this worker's parameters (name, shape, dtype) or cannot
@@ -181,6 +224,8 @@ class ParameterReceiver:
         self._importers: dict[str, Importer] = dict(importers or {})
         self._importer_factory = importer_factory or make_importer
         self.state = VersionState()
+        self._prepared: dict[Handle, _Prepared] = {}
+        self._epoch = 0
 
     def __repr__(self) -> str:
         return f"<ParameterReceiver device={self.device} params={len(self._params)} {self.state}>"
@@ -197,6 +242,7 @@ class ParameterReceiver:
 
     def begin(self, version: int) -> None:
         self.state.begin(version)
+        self._epoch += 1
 
     def _importer(self, kind: str) -> Importer:
         importer = self._importers.get(kind)
@@ -223,6 +269,32 @@ class ParameterReceiver:
                 )
         check_layout(handle)
 
+    def _prepare(self, handle: Handle, buffer: torch.Tensor) -> _Prepared:
+        """Check ``handle`` against ``buffer`` and make its copies (before any write)."""
+        check_layout(handle, buffer.numel())
+        copies = [
+            (
+                self._params[e.name],
+                buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape),
+            )
+            for e in handle.entries
+        ]
+        prepared = _Prepared(buffer, copies, sum(e.nbytes for e in handle.entries), self._epoch)
+        old = self._prepared.pop(handle, None)
+        del old  # its views of a buffer the importer no longer returns
+        viewed = {id(p.buffer) for p in self._prepared.values()}
+        if id(buffer) in viewed or len(viewed) < MAX_VIEWED_BUFFERS:
+            self._prepared[handle] = prepared
+        return prepared
+
+    def _forget_views(self, *, older: bool) -> None:
+        """Drop the views of earlier pushes (``older``) or all of them."""
+        if older:
+            epoch = self._epoch
+            self._prepared = {h: p for h, p in self._prepared.items() if p.epoch == epoch}
+        else:
+            self._prepared = {}
+
     def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         """Copy one bucket into the parameters.
 
@@ -236,27 +308,36 @@ class ParameterReceiver:
         start = time.perf_counter()
         self.state.check_loading(version)
         handle = self._own_handle(handles)
-        self._check_entries(handle)
+        prepared = self._prepared.get(handle)
+        if prepared is None:
+            self._check_entries(handle)
+            # Opening a handle not seen before may map a new buffer, and its importer
+            # may drop older mappings then: keep no views of earlier pushes' buffers.
+            self._forget_views(older=True)
         importer = self._importer(handle.kind)
         buffer = importer.open(handle)
         try:
-            check_layout(handle, buffer.numel())
+            if prepared is None or prepared.buffer is not buffer:
+                prepared = self._prepare(handle, buffer)
+            prepared.epoch = self._epoch
             self.state.loading(version, bucket)  # from here on, bytes get written
-            with torch.no_grad():
-                for e in handle.entries:
-                    src = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                    self._params[e.name].copy_(src.view(e.shape))
-                    del src
+            if torch.is_grad_enabled() and any(p.requires_grad for p in prepared.params):
+                with torch.no_grad():
+                    for dst, src in prepared.copies:
+                        dst.copy_(src)
+            else:
+                for dst, src in prepared.copies:
+                    dst.copy_(src)
             token = importer.finish(handle)
         finally:
-            del buffer  # drop every view before the ack
+            del buffer  # no view is read after the ack
         if handle.checksum is not None:  # reads the parameters: after the copies
-            got = checksum(self._params[e.name] for e in handle.entries)
+            got = checksum(prepared.params)
             if got != handle.checksum:
                 raise IntegrityError(bucket, handle.checksum, got)
         return BucketAck(
             bucket=bucket,
-            nbytes=sum(e.nbytes for e in handle.entries),
+            nbytes=prepared.nbytes,
             seconds=time.perf_counter() - start,
             copied=token,
         )
@@ -279,6 +360,7 @@ class ParameterReceiver:
         return {name: tensor_digest(t) for name, t in self._params.items()}
 
     def release_handles(self) -> None:
+        self._forget_views(older=False)  # before the mappings they view are closed
         for importer in self._importers.values():
             importer.close()
 

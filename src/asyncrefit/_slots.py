@@ -60,6 +60,10 @@ class SlotTable(Generic[K]):
         """``worker`` was sent the handle of ``slot`` and may read it from now on."""
         self._slots[slot].readers.add(worker)
 
+    def reads(self, slot: int, worker: K) -> bool:
+        """Whether ``worker`` may still be reading ``slot``."""
+        return worker in self._slots[slot].readers
+
     def acked(self, slot: int, worker: K) -> bool:
         """``worker`` finished reading ``slot``. True if the slot became free."""
         s = self._slots[slot]
