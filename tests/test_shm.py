@@ -102,6 +102,19 @@ def test_reallocate_other_shape_replaces_segments(
     assert set(list_segments()) & set(old) == set()
 
 
+def test_a_view_outliving_close_still_reads_its_bytes() -> None:
+    """Closing drops the mapping only with its last view: a view kept by a caller (a
+    zero-copy parameter, a cached pack view) never points at unmapped memory."""
+    ex = SharedMemoryExporter()
+    ex.allocate(1, 4096)
+    view = ex.buffer(0)[:8]
+    view.fill_(7)
+    ex.close()
+    assert view.tolist() == [7] * 8  # crashed (segfault) when close() unmapped it
+    view += 1
+    assert view.tolist() == [8] * 8
+
+
 def test_close_unlinks_and_is_idempotent() -> None:
     ex = SharedMemoryExporter()
     try:

@@ -115,14 +115,12 @@ class _Segment:
         return cls(name, size, mapping)
 
     def close(self) -> None:
+        # Drop our references only: ``torch.frombuffer`` keeps the mmap object alive
+        # but holds no buffer export, so ``mmap.close()`` would succeed under views
+        # still in use and leave them pointing at unmapped memory (a crash at the next
+        # read). The mapping goes with the last tensor viewing it.
         self.tensor = None
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:
-                # A caller still holds a view; the mapping goes with the last view.
-                logger.warning("segment %s still has views; unmapped when they go", self.name)
-            self.mapping = None
+        self.mapping = None
 
 
 def segment_name(token: str, generation: int, index: int) -> str:
