@@ -254,6 +254,17 @@ class BenchExporter:
         self.packs: list[float] = []
         self._started = 0.0
 
+    @property
+    def ordered(self) -> bool:
+        return self.inner.ordered
+
+    @ordered.setter
+    def ordered(self, value: bool) -> None:
+        self.inner.ordered = value
+
+    def order_after(self, slot: int, tokens: Sequence[bytes]) -> None:
+        self.inner.order_after(slot, tokens)
+
     def allocate(self, slots: int, slot_bytes: int) -> None:
         self.inner.allocate(slots, slot_bytes)
 
@@ -295,6 +306,7 @@ async def run_refit(
     host_sync: bool = False,
     module_source: bool = False,
     zero_copy: bool = False,
+    device_ordering: bool = True,
     repeats: int,
     seed: int,
 ) -> dict[str, Any]:
@@ -303,7 +315,10 @@ async def run_refit(
     The trainer source reads the parameters from a name -> tensor mapping, or with
     ``module_source`` from the module (``named_parameters()`` at every bucket).
     """
-    exporter = BenchExporter(CudaIpcExporter(0, host_sync=host_sync), alias=all_to_all)
+    exporter = BenchExporter(
+        CudaIpcExporter(0, host_sync=host_sync, device_ordering=device_ordering),
+        alias=all_to_all,
+    )
     dev = exporter.inner.device_id
     devices = [dev]
     if all_to_all:
@@ -360,6 +375,8 @@ async def run_refit(
         "host_sync": host_sync,
         "module_source": module_source,
         "zero_copy": zero_copy,
+        "device_ordering": device_ordering and not all_to_all,
+        "ordered": exporter.ordered,
         "verified": True,
     }
 
@@ -387,6 +404,10 @@ async def run_library_variants(
             for bucket in BUCKETS
         ]
         variants += [
+            (
+                "asyncrefit 1 GiB, acks after the copy",
+                {"bucket_bytes": GIB, "slots": 2, "device_ordering": False},
+            ),
             (
                 "asyncrefit 1 GiB, host-sync seal",
                 {"bucket_bytes": GIB, "slots": 2, "host_sync": True},
