@@ -6,9 +6,11 @@ streaming path a push costs one actor call per worker:
 
 1. ``RayWorker.begin_update`` listens on a fresh port of the driver's node IP (the one
    Ray reports) and submits ``refit_stream(version, host, port, token)``: the call
-   runs on the actor's loop for the whole push. The actor connects, sends the random
-   token first (the driver drops connections that do not), begins the version and
-   answers :class:`~asyncrefit._messages.Done` (or an :class:`ErrorReply`).
+   runs on the actor's loop for the whole push. The actor connects and sends the
+   random token first (the driver drops connections that do not); the driver answers
+   :class:`BeginUpdate`, and the actor begins the version and answers
+   :class:`~asyncrefit._messages.Done` (or an :class:`ErrorReply`). An actor never
+   begins for a driver that gave the push up, nor after a newer stream call started.
 2. Each ``load_bucket`` is one :class:`LoadBucket` frame out and one
    :class:`BucketAck` frame back, in the framing of :mod:`asyncrefit._channel`; the
    actor takes them one after the other, in the order sent, through its own
@@ -44,6 +46,7 @@ from .._exceptions import (
 )
 from .._messages import (
     AbortUpdate,
+    BeginUpdate,
     BucketAck,
     CommitUpdate,
     Done,
@@ -112,8 +115,9 @@ class StreamCall:
         self._sock: socket.socket | None = None
         self._channel: FrameChannel | None = None
         self._broken: str | None = None
+        self._loss: anyio.Event | None = None  # set once a loss is understood
         self._send_lock = anyio.Lock(fast_acquire=True)
-        self._sent = 1  # the actor's begin reply answers request 0
+        self._sent = 0
         self._received = 0
         self._replies: dict[int, bytes] = {}
         self._reading = False
@@ -147,15 +151,27 @@ class StreamCall:
             self._future.result()
         raise WorkerProtocolError(self.name, "refit_stream returned before its stream ended")
 
-    async def _lost(self, exc: BaseException) -> NoReturn:
-        """The connection ended or failed: close it, raise what the actor call says."""
-        await self.close("its stream connection was lost")
-        with anyio.move_on_after(LOST_GRACE_S):
-            await self._ended.wait()
+    async def _lost(self, exc: BaseException | None = None) -> NoReturn:
+        """The connection ended or failed: close it, raise what the actor call says.
+
+        The first request to find it lost waits (up to :data:`LOST_GRACE_S`) for Ray
+        to report the call's end; every request waiting on the stream then raises
+        the same typed error.
+        """
+        if self._loss is None:
+            self._loss = anyio.Event()
+            try:
+                await self.close("its stream connection was lost")
+                with anyio.move_on_after(LOST_GRACE_S):
+                    await self._ended.wait()
+            finally:
+                self._loss.set()
+        else:
+            await self._loss.wait()
         if self._ended.is_set():
             self._raise_ended()
         raise WorkerDiedError(
-            self.name, f"its stream connection closed ({type(exc).__name__}) mid-push"
+            self.name, "its stream connection closed mid-push and Ray reported nothing"
         ) from exc
 
     # --- opening --------------------------------------------------------------------
@@ -196,6 +212,8 @@ class StreamCall:
         """The reply to request ``seq`` (whoever waits reads; replies come in order)."""
         try:
             while seq not in self._replies:
+                if self._loss is not None:
+                    await self._lost()
                 if self._broken is not None:
                     raise WorkerError(self.name, f"the stream was closed: {self._broken}")
                 if self._reading:
@@ -228,6 +246,8 @@ class StreamCall:
         """Send ``message`` and return the actor's reply to it (an error reply raises)."""
         data = encode(message)
         async with self._send_lock:
+            if self._loss is not None:
+                await self._lost()
             if self._broken is not None or self._channel is None:
                 raise WorkerError(self.name, f"the stream was closed: {self._broken}")
             seq = self._sent
@@ -301,9 +321,7 @@ async def open_stream(actor: Any, name: str, version: int, host: str) -> StreamC
         call = StreamCall(name, version, ref)
         try:
             await call._accept(listener, token)
-            reply = await call._reply(0)
-            if isinstance(reply, ErrorReply):
-                raise remote_error(name, reply.type, reply.message)
+            reply = await call.request(BeginUpdate(version=version))
             if not isinstance(reply, Done):
                 raise WorkerProtocolError(name, f"refit_begin answered {type(reply).__name__}")
         except BaseException:
@@ -346,19 +364,35 @@ async def serve_stream(
     commit or abort, or when the driver closed the connection (the version is then
     given up, unless another push began meanwhile). Returns the requests served.
 
+    The begin waits for the driver's :class:`BeginUpdate`, and is refused if a newer
+    stream call started meanwhile (Ray may run an actor's calls in any order): a
+    stream the driver gave up never begins a version over a newer push's.
+
     Resource handling: the connection is closed on the way out; nothing is left
     running (each request is awaited before the next is read).
     """
+    epoch = worker._refit_stream_started()
     with anyio.fail_after(CONNECT_S):
         channel = await connect_tcp(host, port)
     served = 0
     try:
         try:
             await channel.send(token, within=SEND_S)
-            reply = await _answer(worker.refit_begin(version))
+            message = decode(await channel.receive())
+            if not isinstance(message, BeginUpdate) or message.version != version:
+                reply: object = ErrorReply(
+                    type="ProtocolError", message=f"{type(message).__name__} before the begin"
+                )
+            elif not worker._refit_stream_current(epoch):
+                reply = ErrorReply(
+                    type="AsyncRefitError",
+                    message=f"the stream of version {version} was superseded by a newer one",
+                )
+            else:
+                reply = await _answer(worker.refit_begin(version))
             await channel.send(_encoded(reply), within=SEND_S)
         except (*_LOST, TimeoutError):  # the driver gave the begin up
-            await worker._refit_stream_lost(version)
+            await worker._refit_stream_lost(version, epoch)
             return served
         if isinstance(reply, ErrorReply):
             return served
@@ -366,7 +400,7 @@ async def serve_stream(
             try:
                 message = decode(await channel.receive())
             except _LOST:
-                await worker._refit_stream_lost(version)
+                await worker._refit_stream_lost(version, epoch)
                 return served
             last = False
             match message:
@@ -385,7 +419,7 @@ async def serve_stream(
             try:
                 await channel.send(_encoded(reply), within=SEND_S)
             except (*_LOST, TimeoutError):
-                await worker._refit_stream_lost(version)
+                await worker._refit_stream_lost(version, epoch)
                 return served
             if last:
                 return served

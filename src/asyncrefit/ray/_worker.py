@@ -115,6 +115,7 @@ class RefitWorkerMixin:
     # Loads are taken in bucket order: Ray may run an async actor's calls in any order,
     # and a transport that streams buckets (a broadcast) must receive them in order.
     _refit_turns_: BucketTurns | None = None
+    _refit_streams_: int = 0  # stream calls started (refit_stream)
     _refit_method_names: ClassVar[tuple[str, ...]] = WORKER_METHODS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -247,13 +248,22 @@ class RefitWorkerMixin:
         """
         return await serve_stream(self, version, host, port, token)
 
-    async def _refit_stream_lost(self, version: int) -> None:
+    def _refit_stream_started(self) -> int:
+        """A stream call started: its number (a newer one supersedes it)."""
+        self._refit_streams_ += 1
+        return self._refit_streams_
+
+    def _refit_stream_current(self, epoch: int) -> bool:
+        return self._refit_streams_ == epoch
+
+    async def _refit_stream_lost(self, version: int, epoch: int) -> None:
         # The driver closed a push's stream before its end: give that version up,
-        # unless another push began meanwhile (the receiver checks the version). The
-        # bucket order is left alone: a newer push's loads may be taking their turns.
+        # unless a newer stream started meanwhile (its push may have the same version
+        # number, from another coordinator). The bucket order is left alone.
         lock, _ = self._refit_sync()
         async with lock:
-            self.refit_receiver.abort(version)
+            if self._refit_stream_current(epoch):
+                self.refit_receiver.abort(version)
 
     async def refit_weight_version(self) -> int | None:
         await anyio.lowlevel.checkpoint()
