@@ -1,19 +1,25 @@
-"""Ray fan-out benchmark: push time and handle bytes per worker, filtered vs broadcast-all.
+"""Ray fan-out benchmark: push time, handle bytes and driver CPU, per-call vs stream.
 
     python benchmarks/ray_bench.py --counts 4,16,32 --size-mib 16 --repeats 3 [--markdown]
+    python benchmarks/ray_bench.py --record      # append the run to benchmarks/RESULTS.md
 
 Starts a local Ray cluster (``--address`` joins an existing one), one trainer actor and
 max(counts) zero-CPU inference actors, each on its own virtual device (``cpu:00``,
-``cpu:01``, ...), all on one node. For each count N and each dispatch mode it opens a
+``cpu:01``, ...), all on one node. For each count N and each variant it opens a
 coordinator over the first N actors, pushes once to warm up and verifies every
-actor's parameters bitwise, then times ``--repeats`` pushes. Filtered dispatch sends
-each actor only its own device's handle; broadcast-all sends every actor the handles
-of all N devices (the behaviour before filtering).
+actor's parameters bitwise, then times ``--repeats`` pushes. The variants:
+
+- ``per-call filtered``: ``RayWorker(stream=False)``, one actor call per worker per
+  bucket (``refit_load``), each actor sent only its own device's handle;
+- ``per-call broadcast``: the same, every actor sent the handles of all N devices (the
+  behaviour before filtering);
+- ``stream filtered``: ``RayWorker()`` (the default), one actor call per worker per
+  push (``refit_stream``), the buckets' handles and acks as frames on a TCP stream.
 
 Reported per row: median push time, aggregate payload rate (bytes x N / time), handle
 bytes per worker per push (as the coordinator accounts them), wall time per bucket,
-and the driver's CPU time per bucket (the coordinator's own cost: submitting N actor
-tasks and awaiting N replies per bucket), also per worker.
+and the driver's CPU time (the coordinator's process, Ray's threads included) per push,
+per bucket and per worker per bucket.
 """
 
 from __future__ import annotations
@@ -73,10 +79,15 @@ def machine() -> dict[str, Any]:
     return {**machine_info(), "ray": ray.__version__}
 
 
+#: (path, broadcast-all) of each variant, in the order run for each count.
+VARIANTS = (("per-call", False), ("per-call", True), ("stream", False))
+
+
 async def measure(
-    trainer: Any, actors: list[Any], broadcast: bool, args: argparse.Namespace
+    trainer: Any, actors: list[Any], path: str, broadcast: bool, args: argparse.Namespace
 ) -> dict[str, Any]:
-    workers = [RayWorker(a, name=f"w{i:02d}") for i, a in enumerate(actors)]
+    stream = path == "stream"
+    workers = [RayWorker(a, name=f"w{i:02d}", stream=stream) for i, a in enumerate(actors)]
     async with RefitCoordinator(
         trainer=RayTrainerSource(trainer),
         workers=workers,
@@ -100,7 +111,8 @@ async def measure(
     per_worker = sorted(set(report.handle_bytes_per_worker.values()))
     return {
         "workers": n,
-        "mode": "broadcast-all" if broadcast else "filtered",
+        "path": path,
+        "mode": "broadcast" if broadcast else "filtered",
         "buckets": buckets,
         "payload_bytes": report.bytes,
         "push_s": median,
@@ -108,6 +120,7 @@ async def measure(
         "aggregate_gbps": report.bytes * n / median / 1e9,
         "handle_bytes_per_worker": per_worker,
         "wall_ms_per_bucket": median / buckets * 1e3,
+        "driver_cpu_ms_per_push": cpu / pushes * 1e3,
         "driver_cpu_ms_per_bucket": cpu / pushes / buckets * 1e3,
         "driver_cpu_us_per_bucket_per_worker": cpu / pushes / buckets / n * 1e6,
     }
@@ -130,8 +143,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     rows = []
     for n in counts:
-        for broadcast in (False, True):
-            row = await measure(trainer, actors[:n], broadcast, args)
+        for path, broadcast in VARIANTS:
+            row = await measure(trainer, actors[:n], path, broadcast, args)
             print(format_row(row), file=sys.stderr)
             rows.append(row)
     return {
@@ -146,30 +159,65 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 HEADER = (
-    f"{'workers':>7} {'mode':<13} {'buckets':>7} {'push ms':>9} {'agg GB/s':>8} "
-    f"{'handle B/worker':>15} {'ms/bucket':>9} {'drv CPU ms/bucket':>17} {'us/bucket/worker':>16}"
+    f"{'workers':>7} {'path':<8} {'mode':<9} {'buckets':>7} {'push ms':>8} {'agg GB/s':>8} "
+    f"{'handle B/worker':>15} {'ms/bucket':>9} {'drv CPU ms/push':>15} "
+    f"{'ms/bucket':>9} {'us/bucket/worker':>16}"
 )
 
 
 def format_row(r: dict[str, Any]) -> str:
     per_worker = "/".join(str(b) for b in r["handle_bytes_per_worker"])
     return (
-        f"{r['workers']:>7} {r['mode']:<13} {r['buckets']:>7} {r['push_s'] * 1e3:>9.1f} "
-        f"{r['aggregate_gbps']:>8.2f} {per_worker:>15} {r['wall_ms_per_bucket']:>9.2f} "
-        f"{r['driver_cpu_ms_per_bucket']:>17.2f} {r['driver_cpu_us_per_bucket_per_worker']:>16.0f}"
+        f"{r['workers']:>7} {r['path']:<8} {r['mode']:<9} {r['buckets']:>7} "
+        f"{r['push_s'] * 1e3:>8.1f} {r['aggregate_gbps']:>8.2f} {per_worker:>15} "
+        f"{r['wall_ms_per_bucket']:>9.2f} {r['driver_cpu_ms_per_push']:>15.1f} "
+        f"{r['driver_cpu_ms_per_bucket']:>9.2f} {r['driver_cpu_us_per_bucket_per_worker']:>16.0f}"
     )
 
 
+def ratios(result: dict[str, Any]) -> list[str]:
+    """Per count: driver CPU per push of the per-call path over the stream's (filtered)."""
+    by = {(r["workers"], r["path"], r["mode"]): r for r in result["rows"]}
+    lines = []
+    for n in sorted({r["workers"] for r in result["rows"]}):
+        old, new = by.get((n, "per-call", "filtered")), by.get((n, "stream", "filtered"))
+        if old is not None and new is not None:
+            lines.append(
+                f"{n} workers: driver CPU per push {old['driver_cpu_ms_per_push']:.1f} ms "
+                f"per-call, {new['driver_cpu_ms_per_push']:.1f} ms stream: "
+                f"{old['driver_cpu_ms_per_push'] / new['driver_cpu_ms_per_push']:.1f}x less"
+            )
+    return lines
+
+
 def format_table(result: dict[str, Any]) -> str:
-    return "\n".join([HEADER, *(format_row(r) for r in result["rows"])])
+    return "\n".join([HEADER, *(format_row(r) for r in result["rows"]), "", *ratios(result)])
 
 
 def markdown(result: dict[str, Any], command: str) -> str:
     m = result["machine"]
+    load = "/".join(str(x) for x in m.get("loadavg", []))
     return (
         f"### {result['date'][:10]}: Ray fan-out, {m['cpu']}, {m['cores']} cores, "
-        f"torch {m['torch']}, ray {m['ray']}\n\n`{command}`\n\n```\n{format_table(result)}\n```\n"
+        f"load average {load}, torch {m['torch']}, ray {m['ray']}\n\n"
+        f"`{command}` ({result['size_mib']} MiB, {result['bucket_mib']} MiB buckets, "
+        f"median of {result['repeats']})\n\n```\n{format_table(result)}\n```\n"
     )
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+SECTION = "## Ray fan-out"
+
+
+def record(section: str, path: str = RESULTS) -> None:
+    """Insert ``section`` at the end of RESULTS.md's Ray fan-out section."""
+    with open(path) as f:
+        text = f.read()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    end = len(text) if end < 0 else end + 1
+    with open(path, "w") as f:
+        f.write(text[:end].rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n\n" + text[end:])
 
 
 def main() -> int:
@@ -181,6 +229,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes per row (3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--markdown", action="store_true", help="print a RESULTS.md section")
+    parser.add_argument(
+        "--record", action="store_true", help="also add the section to benchmarks/RESULTS.md"
+    )
     args = parser.parse_args()
     args.counts = [int(c) for c in args.counts.split(",")]
     if min(args.counts) < 1 or args.size_mib < 1 or args.bucket_mib < 1 or args.repeats < 1:
@@ -194,10 +245,13 @@ def main() -> int:
         result = anyio.run(run, args)
     finally:
         ray.shutdown()
+    section = markdown(result, "python benchmarks/ray_bench.py " + " ".join(sys.argv[1:]))
+    if args.record:
+        record(section)
     if args.json:
         print(json.dumps(result, indent=2))
-    elif args.markdown:
-        print(markdown(result, "python benchmarks/ray_bench.py " + " ".join(sys.argv[1:])))
+    elif args.markdown or args.record:
+        print(section)
     else:
         print(format_table(result))
     return 0

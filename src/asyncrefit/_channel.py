@@ -170,3 +170,93 @@ def connect_unix(path: str) -> FrameChannel:
         sock.close()
         raise
     return FrameChannel(sock)
+
+
+# --- TCP: the Ray backend's per-push streams between the driver and actors ------------
+
+
+def _tcp_socket(host: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
+def _no_delay(sock: socket.socket) -> socket.socket:
+    # Small frames (a bucket's notification, an ack) go out at once, not after 40 ms.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class TcpListener:
+    """A listening TCP socket on ``host`` (``port`` 0: a free one), non-blocking.
+
+    :meth:`accept_socket` returns the raw connected socket (non-blocking, with
+    ``TCP_NODELAY``): the caller wraps it in a :class:`FrameChannel` and may keep the
+    socket to interrupt a read (``shutdown``). Anyone who can reach the port can
+    connect: authenticate connections (a token sent first) before trusting them.
+    """
+
+    def __init__(self, host: str, port: int = 0, backlog: int = 64) -> None:
+        sock = _tcp_socket(host)
+        try:
+            sock.bind((host, port))
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the listener is bound to."""
+        host, port = self._sock.getsockname()[:2]
+        return str(host), int(port)
+
+    async def accept_socket(self) -> socket.socket:
+        """The next connection's socket (non-blocking, ``TCP_NODELAY``)."""
+        await checkpoint_if_cancelled()
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except BlockingIOError:
+                await anyio.wait_readable(self._sock)
+                continue
+            except OSError as exc:
+                if self._sock.fileno() < 0:
+                    raise anyio.ClosedResourceError from None
+                raise anyio.BrokenResourceError from exc
+            conn.setblocking(False)
+            return _no_delay(conn)
+
+    async def aclose(self) -> None:
+        """Stop listening. Idempotent."""
+        if self._sock.fileno() >= 0:
+            anyio.notify_closing(self._sock)
+            self._sock.close()
+        await anyio.lowlevel.checkpoint()
+
+
+async def connect_tcp(host: str, port: int) -> FrameChannel:
+    """A channel connected to ``(host, port)`` (non-blocking connect, ``TCP_NODELAY``).
+
+    Bound it with a timeout: a host that drops packets never answers. Raises
+    :class:`OSError` when the connection is refused or fails.
+    """
+    import errno
+    import os
+
+    sock = _tcp_socket(host)
+    try:
+        sock.setblocking(False)
+        err = sock.connect_ex((host, port))
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            raise OSError(err, f"connecting to {host}:{port}: {os.strerror(err)}")
+        if err:
+            await anyio.wait_writable(sock)
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, f"connecting to {host}:{port}: {os.strerror(err)}")
+        return FrameChannel(_no_delay(sock))
+    except BaseException:
+        sock.close()
+        raise
