@@ -67,7 +67,6 @@ from typing import Any
 
 import anyio
 import torch
-from asyncrefit._bench import append_to_section, machine_info, machine_line, module_from_specs
 
 from asyncrefit import (
     BucketAck,
@@ -80,6 +79,9 @@ from asyncrefit import (
     plan_buckets,
 )
 from asyncrefit._receiver import tensor_digest
+from asyncrefit.tools._machine import machine_info, machine_line
+from asyncrefit.tools._table import append_to_section
+from asyncrefit.tools.bench import module_from_specs
 from asyncrefit.transport import Handle
 from asyncrefit.transport.shm import SharedMemoryExporter
 
