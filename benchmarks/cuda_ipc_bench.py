@@ -306,7 +306,7 @@ async def run_refit(
     host_sync: bool = False,
     module_source: bool = False,
     zero_copy: bool = False,
-    device_ordering: bool = True,
+    device_ordering: bool = True,  # the fast, opt-in path; the default is a row of its own
     repeats: int,
     seed: int,
 ) -> dict[str, Any]:
@@ -405,7 +405,7 @@ async def run_library_variants(
         ]
         variants += [
             (
-                "asyncrefit 1 GiB, acks after the copy",
+                "asyncrefit 1 GiB, acks after the copy (default)",
                 {"bucket_bytes": GIB, "slots": 2, "device_ordering": False},
             ),
             (

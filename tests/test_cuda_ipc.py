@@ -176,7 +176,7 @@ async def test_workers_ack_before_their_copies_ran_and_the_repack_waits_on_the_g
     into the slot at once: only the trainer's stream waiting for the workers' "copied"
     events keeps the repack from overwriting a bucket not yet copied."""
     model = make_gpu_mixed()
-    exporter = CudaIpcExporter(0)
+    exporter = CudaIpcExporter(0, device_ordering=True)
     dev = exporter.device_id
     late = WorkerFaults(gpu_delay_cycles=20_000_000)  # ~10 ms of spinning per bucket
     async with spawn_local_workers(
