@@ -12,7 +12,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,6 +60,17 @@ from ._worker import (
     TrainerSource,
     TransmittingSource,
     Worker,
+)
+from .events import (
+    BucketAcked,
+    BucketPacked,
+    EventHub,
+    EventStream,
+    PushAborted,
+    PushBegun,
+    PushCommitted,
+    PushEvent,
+    WorkerFailed,
 )
 from .trainer._local import LocalTrainer
 from .transport._base import Handle
@@ -181,6 +201,7 @@ class RefitCoordinator:
         self._lock = anyio.Lock()
         self._push_scope: anyio.CancelScope | None = None
         self._state = "new"
+        self._events = EventHub()
 
     # --- construction helpers ----------------------------------------------------------
 
@@ -239,6 +260,32 @@ class RefitCoordinator:
     def quarantined_slots(self) -> dict[int, frozenset[str]]:
         """Slots held back because these workers may still read them."""
         return self._ledger.quarantined()
+
+    # --- events -----------------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[PushEvent], object]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every :mod:`asyncrefit.events` event from now on.
+
+        Returns a function that unsubscribes. The callback runs inline on the event
+        loop of the push and must be quick; one that raises is logged and dropped,
+        never raised into the push.
+        """
+        return self._events.subscribe(callback)
+
+    @asynccontextmanager
+    async def events(self, maxlen: int = 1024) -> AsyncIterator[EventStream]:
+        """An async iterator of the events from now until the block ends::
+
+            async with refit.events() as events:
+                async for event in events:
+                    ...
+
+        Resource handling: it buffers at most ``maxlen`` events; when the consumer
+        falls behind, the oldest are dropped and counted (``events.dropped``): a push
+        never waits for a consumer. Iteration ends when the coordinator closes.
+        """
+        async with self._events.stream(maxlen) as stream:
+            yield stream
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -304,6 +351,7 @@ class RefitCoordinator:
             finally:
                 if locked:
                     self._lock.release()
+                self._events.close()
 
     async def _release_handles(self, member: Member) -> None:
         try:
@@ -519,21 +567,42 @@ class RefitCoordinator:
         """
         async with self._lock:
             self._check_open()
+            start = time.perf_counter()
             with anyio.CancelScope() as scope:
                 self._push_scope = scope
                 try:
-                    return await self._push(version)
+                    return await self._push(version, start)
+                except BaseException as exc:
+                    if self._events:
+                        self._emit_aborted(version, start, exc)
+                    raise
                 finally:
                     self._push_scope = None
             raise ClosedError(f"the coordinator was closed before version {version} began")
 
-    async def _push(self, version: int) -> RefitReport:
+    def _emit_aborted(self, version: int, start: float, exc: BaseException) -> None:
+        incomplete: tuple[str, ...] = ()
+        if isinstance(exc, PushError):
+            incomplete = exc.incomplete
+            cause = "closed" if isinstance(exc.cause, ClosedError) else type(exc.cause).__name__
+        elif isinstance(exc, Exception):
+            cause = type(exc).__name__
+        else:  # cancelled: by the caller, or by closing the coordinator
+            cause = "closed" if self._state == "closed" else "cancelled"
+        now = time.perf_counter()
+        self._events.emit(
+            PushAborted(
+                time=now, version=version, seconds=now - start, cause=cause, incomplete=incomplete
+            )
+        )
+
+    async def _push(self, version: int, start: float) -> RefitReport:
         self._ledger.check_version(version)
         if not self._ledger.members:
             raise AsyncRefitError("no workers to push to")
         ok = False
         try:
-            report = await self._push_described(version)
+            report = await self._push_described(version, start)
             ok = True
             return report
         finally:
@@ -558,8 +627,7 @@ class RefitCoordinator:
                 for source in ending:
                     tg.start_soon(one, source)
 
-    async def _push_described(self, version: int) -> RefitReport:
-        start = time.perf_counter()
+    async def _push_described(self, version: int, start: float) -> RefitReport:
         infos = await self._describe_sources()
         if self._stale or self._topology is None or tuple(infos) != self._topology.infos:
             await self._replan(infos, self._ledger.members.values())
@@ -578,10 +646,20 @@ class RefitCoordinator:
         self._load_sizes.next_push()
         account = _PushAccount(handle_bytes=dict.fromkeys((m.name for m in members), 0))
         try:
-            await self._transfer(version, topology, members, account)
+            await self._transfer(version, topology, members, account, start)
         except BaseException as exc:
-            await self._abort(version, account)
             primary = primary_error(exc)
+            if self._events and isinstance(primary, WorkerError):
+                self._events.emit(
+                    WorkerFailed(
+                        time=time.perf_counter(),
+                        version=version,
+                        worker=primary.worker,
+                        error=type(primary).__name__,
+                        message=str(primary),
+                    )
+                )
+            await self._abort(version, account)
             if primary is None or not isinstance(primary, Exception):
                 if self._state == "closed":
                     closed = ClosedError(f"the coordinator was closed during the push of {version}")
@@ -592,11 +670,24 @@ class RefitCoordinator:
                 failed = primary.peer  # only a peer's report of the failure got here
             raise PushError(version, primary, account.incomplete(), failed) from primary
         self._ledger.complete(version)
+        seconds = time.perf_counter() - start
+        workers = tuple(m.name for m in members)
+        if self._events:
+            self._events.emit(
+                PushCommitted(
+                    time=start + seconds,
+                    version=version,
+                    seconds=seconds,
+                    bytes=topology.plan.payload_bytes,
+                    buckets=len(topology.plan.buckets),
+                    workers=workers,
+                )
+            )
         return RefitReport(
             version=version,
             buckets=len(topology.plan.buckets),
             bytes=topology.plan.payload_bytes,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             stages=StageTimes(
                 plan=plan_seconds,
                 begin=account.begin,
@@ -605,7 +696,7 @@ class RefitCoordinator:
                 load=account.load,
                 commit=account.commit,
             ),
-            workers=tuple(m.name for m in members),
+            workers=workers,
             handle_bytes_per_worker=account.handle_bytes,
             bytes_per_transport=account.transport_bytes,
             slots=topology.slots,
@@ -614,7 +705,12 @@ class RefitCoordinator:
         )
 
     async def _transfer(
-        self, version: int, topology: Topology, members: list[Member], account: _PushAccount
+        self,
+        version: int,
+        topology: Topology,
+        members: list[Member],
+        account: _PushAccount,
+        start: float,
     ) -> None:
         budget = self._budget
         assert budget is not None
@@ -630,6 +726,17 @@ class RefitCoordinator:
                     lambda w=member.worker: w.begin_update(version),
                 )
         account.begin = time.perf_counter() - t
+        if self._events:
+            self._events.emit(
+                PushBegun(
+                    time=time.perf_counter(),
+                    version=version,
+                    workers=tuple(m.name for m in members),
+                    buckets=len(topology.plan.buckets),
+                    bytes=topology.plan.payload_bytes,
+                    started=start,
+                )
+            )
 
         # Exports go in plan order, bucket after bucket (the pack of k+1 overlaps the
         # loads of k): the ranks of a sharded trainer gather in the same order.
@@ -707,9 +814,21 @@ class RefitCoordinator:
             # the push is over (the group cancels the tasks waiting here), and no source
             # starts the next bucket (a rank would gather it for nothing).
             exported.set()
-            account.pack += time.perf_counter() - t
+            packed = time.perf_counter()
+            account.pack += packed - t
+            if self._events:
+                self._events.emit(
+                    BucketPacked(
+                        time=packed,
+                        version=version,
+                        bucket=bucket.index,
+                        slot=slot,
+                        bytes=bucket.payload_bytes,
+                        started=t,
+                    )
+                )
 
-            t = time.perf_counter()
+            t = packed
             every = tuple(handles[d] for d in sorted(handles))
             payload, index, sizes = bucket.payload_bytes, bucket.index, self._load_sizes
             reading = self._ledger.slots.reading
@@ -732,7 +851,7 @@ class RefitCoordinator:
                             )
                             reading(slot, member)
                             load_group.start_soon(
-                                self._load_one, member, version, index, mine, slot, account
+                                self._load_one, member, version, index, mine, slot, account, t
                             )
                 if loads.cancelled_caught:
                     late = [m for m in members if self._ledger.slots.reads(slot, m)]
@@ -799,6 +918,7 @@ class RefitCoordinator:
         handles: tuple[Handle, ...],
         slot: int,
         account: _PushAccount,
+        sent: float,
     ) -> None:
         worker = member.worker
         ack = await self._call(
@@ -810,6 +930,18 @@ class RefitCoordinator:
         if ack.copied:  # its copies may still run: the next pack into the slot waits
             account.copied.setdefault(slot, {})[member] = ack.copied
         self._ledger.slots.acked(slot, member)
+        if self._events:
+            self._events.emit(
+                BucketAcked(
+                    time=time.perf_counter(),
+                    version=version,
+                    bucket=bucket,
+                    slot=slot,
+                    worker=member.name,
+                    sent=sent,
+                    seconds=ack.seconds,
+                )
+            )
 
     async def _abort(self, version: int, account: _PushAccount) -> None:
         """Tell every touched worker to abort; shielded and bounded."""
