@@ -3,6 +3,7 @@
 The public API is re-exported here; everything in underscored modules is private.
 """
 
+from ._adapters import register_adapter as register_adapter
 from ._budget import BudgetStatistics as BudgetStatistics
 from ._budget import ByteBudget as ByteBudget
 from ._checksum import checksum as checksum
@@ -115,6 +116,7 @@ __all__ = (
     "cpu_device",
     "local_node_id",
     "plan_buckets",
+    "register_adapter",
     "strip_wrappers",
     "validate_worker",
 )

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from ._adapters import adapt
 from ._budget import BudgetStatistics, ByteBudget
 from ._device import DeviceId
 from ._exceptions import (
@@ -108,28 +109,16 @@ class _PushAccount:
         return sorted(m.name for m in self.touched - self.committed)
 
 
-def _adapt(obj: Any, *, worker: bool = True) -> Any:
-    """A Ray actor handle wrapped by :mod:`asyncrefit.ray` (imported only for one).
-
-    Checked before anything else: an actor handle answers to any method name of its
-    class, so it could pass for a worker or source protocol without being one.
-    """
-    kind = type(obj)
-    if kind.__name__ == "ActorHandle" and kind.__module__.startswith("ray."):
-        from .ray import as_source, as_worker
-
-        return as_worker(obj) if worker else as_source(obj)
-    return obj
-
-
 class RefitCoordinator:
     """Pushes the trainer's weights to inference workers; an async context manager.
 
     ``trainer`` is a :class:`TrainerSource` (or several: one per trainer shard), or a
     ``torch.nn.Module`` / mapping of tensors of this process, which is wrapped in a
     :class:`LocalTrainer` over shared memory. ``workers`` are :class:`Worker` objects
-    with distinct names. Ray actor handles (of actors using the :mod:`asyncrefit.ray`
-    mixins) may be given for either and are wrapped as they come.
+    with distinct names. Objects an adapter takes (see :mod:`asyncrefit._adapters`:
+    Ray actor handles of actors using the :mod:`asyncrefit.ray` mixins, once
+    ``asyncrefit[ray]`` is installed) may be given for either and are wrapped as they
+    come.
 
     ``verify=True`` has the trainer checksum every bucket (CRC-32) and every worker
     re-check its copy against it; a mismatch fails the push with
@@ -177,7 +166,7 @@ class RefitCoordinator:
         self._ledger = Ledger()
         # Given at construction, discovered on entry.
         self._joining: list[Worker] = []
-        for worker in map(_adapt, workers):
+        for worker in (adapt(w, "worker") for w in workers):
             if any(w.name == worker.name for w in self._joining):
                 raise DuplicateWorkerError(worker.name)
             self._joining.append(worker)
@@ -208,9 +197,9 @@ class RefitCoordinator:
     @staticmethod
     def _as_sources(trainer: Any) -> list[TrainerSource]:
         if isinstance(trainer, Sequence) and not isinstance(trainer, str):
-            trainer = [_adapt(t, worker=False) for t in trainer]
+            trainer = [adapt(t, "source") for t in trainer]
         else:
-            trainer = _adapt(trainer, worker=False)
+            trainer = adapt(trainer, "source")
         if isinstance(trainer, TrainerSource):
             return [trainer]
         if (
@@ -479,7 +468,7 @@ class RefitCoordinator:
         """
         async with self._lock:
             self._check_open()
-            worker = _adapt(worker)
+            worker = adapt(worker, "worker")
             self._ledger.check_name(worker.name)
             (member,) = await self._discover([worker])
             topology = self._topology

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from .._worker import TrainerSource, Worker
 from ._trainer import RayTrainerSource
@@ -13,6 +13,13 @@ from ._worker import RayWorker
 def is_actor_handle(obj: object) -> bool:
     """Whether ``obj`` is a Ray actor handle (checked without importing Ray)."""
     return type(obj).__name__ == "ActorHandle" and type(obj).__module__.startswith("ray.")
+
+
+def adapt(obj: Any, role: Literal["worker", "source"]) -> Worker | TrainerSource | None:
+    """The ``asyncrefit.adapters`` entry point: wrap an actor handle, refuse the rest."""
+    if not is_actor_handle(obj):
+        return None
+    return RayWorker(obj) if role == "worker" else RayTrainerSource(obj)
 
 
 def as_worker(obj: Any, *, name: str | None = None) -> Worker:
