@@ -362,3 +362,31 @@ async def test_a_failing_close_is_raised_by_aclose() -> None:
     exporter.close = broken_close  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="the device went away"):
         await trainer.aclose()
+
+
+async def test_describe_answers_the_same_info_until_a_spec_changes() -> None:
+    model = make_mlp()
+    source = LocalTrainer(model)
+    try:
+        first = await source.describe()
+        assert await source.describe() is first  # nothing changed: no specs rebuilt
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # values are not specs
+        assert await source.describe() is first
+        name, param = next(iter(model.named_parameters()))
+        owner = model.get_submodule(name.rpartition(".")[0])
+        setattr(
+            owner,
+            name.rpartition(".")[2],
+            torch.nn.Parameter(torch.zeros(param.shape[0] + 1, *param.shape[1:])),
+        )
+        grown = await source.describe()
+        assert grown is not first and grown != first
+        assert grown.specs[0].shape[0] == param.shape[0] + 1
+        assert await source.describe() is grown
+        owner.register_parameter(
+            name.rpartition(".")[2], torch.nn.Parameter(param.to(torch.float64))
+        )
+        assert (await source.describe()).specs[0].dtype == "float64"
+    finally:
+        await source.aclose()

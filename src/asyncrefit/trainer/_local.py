@@ -168,6 +168,9 @@ class _InProcessSource(_SourceBase):
         # module's parameters for every bucket would cost more than packing small ones.
         self._current: Mapping[str, torch.Tensor] | None = None
         self._described: dict[str, ParamSpec] = {}
+        # What the last describe saw, and what it answered (kept while nothing changes).
+        self._described_key: tuple[tuple[str, torch.Size, torch.dtype], ...] = ()
+        self._info_cache: SourceInfo | None = None
 
     def specs(self) -> tuple[ParamSpec, ...]:
         """The current parameters' names, shapes and dtypes, in order."""
@@ -185,11 +188,21 @@ class _InProcessSource(_SourceBase):
         return self._current if self._current is not None else self._tensors()
 
     async def describe(self) -> SourceInfo:
-        """Read the parameters afresh (the coordinator calls this at every push)."""
-        self._current = dict(self._tensors())
-        specs = self._specs(self._current)
-        self._described = {s.name: s for s in specs}
-        return self._info(specs)
+        """Read the parameters afresh (the coordinator calls this at every push).
+
+        When no name, shape or dtype changed since the last describe, the same
+        :class:`SourceInfo` object is returned: the coordinator then finds the plan
+        unchanged by identity, without comparing or re-checking specs.
+        """
+        current = dict(self._tensors())
+        self._current = current
+        key = tuple((name, t.shape, t.dtype) for name, t in current.items())
+        if self._info_cache is None or key != self._described_key:
+            specs = self._specs(current)
+            self._described = {s.name: s for s in specs}
+            self._info_cache = self._info(specs)
+            self._described_key = key
+        return self._info_cache
 
     def _tensor(
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
