@@ -52,8 +52,12 @@ async def test_a_push_tells_begin_packs_acks_and_commit_in_order() -> None:
         unsubscribe()
         await refit.push(2)  # nobody listens any more
 
-    assert isinstance(seen[0], PushBegun) and seen[0].workers == ("w0", "w1")
-    assert seen[0].buckets == buckets and seen[0].bytes == report.bytes
+    (begun,) = [e for e in seen if isinstance(e, PushBegun)]
+    assert begun.workers == ("w0", "w1") and begun.started <= begun.time
+    assert begun.buckets == buckets and begun.bytes == report.bytes
+    # the first pack may overlap the begins; no bucket reaches a worker before them
+    first_ack = min(i for i, e in enumerate(seen) if isinstance(e, BucketAcked))
+    assert seen.index(begun) < first_ack
     assert isinstance(seen[-1], PushCommitted) and seen[-1].version == 1
     assert seen[-1].bytes == report.bytes and seen[-1].buckets == buckets
     assert all(e.version == 1 for e in seen)
@@ -90,7 +94,7 @@ async def test_a_killed_worker_is_told_as_its_failure_then_the_abort() -> None:
             await refit.remove_worker("worker-1")
 
     kinds = [type(e) for e in got]
-    assert kinds[0] is PushBegun
+    assert kinds.count(PushBegun) == 1 and kinds[0] in (PushBegun, BucketPacked)
     failed = [e for e in got if isinstance(e, WorkerFailed)]
     assert len(failed) == 1 and failed[0].worker == "worker-1"
     assert failed[0].error == "WorkerDiedError"

@@ -704,34 +704,41 @@ class RefitCoordinator:
         budget = self._budget
         assert budget is not None
 
-        t = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for member in members:
-                account.touched.add(member)
-                tg.start_soon(
-                    self._call,
-                    member,
-                    "begin_update",
-                    lambda w=member.worker: w.begin_update(version),
+        # The begins overlap the first bucket's pack; no bucket is sent before every
+        # worker began.
+        begun = anyio.Event()
+
+        async def begin_all() -> None:
+            t = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for member in members:
+                    account.touched.add(member)
+                    tg.start_soon(
+                        self._call,
+                        member,
+                        "begin_update",
+                        lambda w=member.worker: w.begin_update(version),
+                    )
+            account.begin = time.perf_counter() - t
+            if self._events:
+                self._events.emit(
+                    PushBegun(
+                        time=time.perf_counter(),
+                        version=version,
+                        workers=tuple(m.name for m in members),
+                        buckets=len(topology.plan.buckets),
+                        bytes=topology.plan.payload_bytes,
+                        started=start,
+                    )
                 )
-        account.begin = time.perf_counter() - t
-        if self._events:
-            self._events.emit(
-                PushBegun(
-                    time=time.perf_counter(),
-                    version=version,
-                    workers=tuple(m.name for m in members),
-                    buckets=len(topology.plan.buckets),
-                    bytes=topology.plan.payload_bytes,
-                    started=start,
-                )
-            )
+            begun.set()
 
         # Exports go in plan order, bucket after bucket (the pack of k+1 overlaps the
         # loads of k): the ranks of a sharded trainer gather in the same order.
         exported = anyio.Event()
         exported.set()
         async with anyio.create_task_group() as tg:
+            tg.start_soon(begin_all)
             for bucket in topology.plan.buckets:
                 t = time.perf_counter()
                 await budget.acquire(topology.slot_bytes)
@@ -748,6 +755,7 @@ class RefitCoordinator:
                     account,
                     after,
                     exported,
+                    begun,
                 )
 
         t = time.perf_counter()
@@ -776,6 +784,7 @@ class RefitCoordinator:
         account: _PushAccount,
         after: anyio.Event,
         exported: anyio.Event,
+        begun: anyio.Event,
     ) -> None:
         try:
             await after.wait()
@@ -817,7 +826,8 @@ class RefitCoordinator:
                     )
                 )
 
-            t = packed
+            await begun.wait()
+            t = time.perf_counter()
             every = tuple(handles[d] for d in sorted(handles))
             payload, index, sizes = bucket.payload_bytes, bucket.index, self._load_sizes
             reading = self._ledger.slots.reading

@@ -3,7 +3,8 @@
 Every event carries ``time`` (``time.perf_counter()`` of the coordinator's process,
 seconds) and the ``version`` of the push. A push emits, in order:
 
-- :class:`PushBegun` once every worker was told to begin;
+- :class:`PushBegun` once every worker began (the first bucket's pack runs meanwhile,
+  so a :class:`BucketPacked` may come first; no bucket is sent to a worker before);
 - per bucket, :class:`BucketPacked` when every trainer source packed and exported it
   (``started`` is when its pack began, after its slot was free), then one
   :class:`BucketAcked` per worker that acknowledged it (``sent`` is when its handle
