@@ -1,8 +1,9 @@
 """In-process trainer sources: the training loop's own tensors, exported to workers.
 
 :class:`LocalTrainer` packs each bucket into a reusable staging slot of a transport.
-:class:`~asyncrefit.SharedParameterTrainer` (``_shared``) instead moves the parameters
-themselves into shared memory once, so a push exports them without the packing copy.
+The zero-copy trainers, whose parameters live in their buckets' memory instead
+(``_shared`` on the CPU, ``_cuda_shared`` on a GPU), build on :class:`_InProcessSource`
+through ``_slabs``.
 """
 
 from __future__ import annotations

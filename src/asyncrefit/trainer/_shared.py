@@ -6,22 +6,19 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import anyio
-
-from .._checksum import checksum
 from .._device import DeviceId
-from .._exceptions import ClosedError, PackError
 from ..transport._base import Handle
-from ._local import NamesLike, _InProcessSource, entry_view
+from ._local import NamesLike
+from ._slabs import SlabSpec, _SlabSource
 
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, Plan, TensorEntry
+    from .._plan import Bucket
     from ..transport.shm import ShmHandle, _Segment
 
 
-class SharedParameterTrainer(_InProcessSource):
+class SharedParameterTrainer(_SlabSource["_Segment"]):
     """A zero-copy :class:`~asyncrefit.TrainerSource` for CPU parameters.
 
     ``prepare`` lays the parameters out bucket by bucket in shared-memory segments
@@ -50,6 +47,8 @@ class SharedParameterTrainer(_InProcessSource):
     naming this source, the bucket and the parameter.
     """
 
+    _noun = "segments"
+
     def __init__(
         self,
         parameters: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -61,120 +60,42 @@ class SharedParameterTrainer(_InProcessSource):
     ) -> None:
         super().__init__(parameters, devices=devices, node=node, name=name, names=names)
         self._token = secrets.token_hex(4)
-        self._generation = 0
-        self._segments: dict[int, _Segment] = {}
-        self._addresses: dict[str, int] = {}
-        self._fingerprint: str | None = None
-        self._checksum = False
-        self.relocated = 0  # parameters copied back into place after being replaced
 
     def __repr__(self) -> str:
-        size = sum(s.size for s in self._segments.values())
-        return (
-            f"<SharedParameterTrainer {self._name!r} segments={len(self._segments)} bytes={size}>"
-        )
+        size = sum(s.size for s in self._slabs.values())
+        return f"<SharedParameterTrainer {self._name!r} segments={len(self._slabs)} bytes={size}>"
 
-    async def prepare(
-        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
-    ) -> None:
-        await anyio.to_thread.run_sync(self._layout, plan, limiter=self._limiter)
-        self._checksum = checksum
+    def _begin_layout(self) -> None:
+        self._unlink()
+        self._generation += 1  # the new segments' names differ from the old ones'
 
-    def _layout(self, plan: Plan) -> None:
-        with self._buffer_lock:
-            self._layout_locked(plan)
-
-    def _layout_locked(self, plan: Plan) -> None:
-        import torch
-
+    def _allocate(self, spec: SlabSpec) -> _Segment:
         from ..transport.shm import _Segment, segment_name
 
-        if plan.fingerprint == self._fingerprint and self._segments:
-            return
-        self._unlink()
-        self._generation += 1
-        tensors = self._read()
-        segments: dict[int, _Segment] = {}
-        try:
-            for bucket in plan.buckets:
-                name = segment_name(self._token, self._generation, bucket.index)
-                segments[bucket.index] = _Segment.create(name, max(1, bucket.nbytes))
-        except BaseException:
-            for seg in segments.values():
-                _unlink_segment(seg)
-            raise
-        try:
-            with torch.no_grad():
-                for bucket in plan.buckets:
-                    base = segments[bucket.index].tensor
-                    assert base is not None
-                    for e in bucket.entries:
-                        self._place(base, bucket.index, e, tensors)
-        except BaseException:
-            # Parameters placed so far keep their memory (their views hold it).
-            for seg in segments.values():
-                _unlink_segment(seg)
-            raise
-        self._segments = segments
-        self._fingerprint = plan.fingerprint
+        name = segment_name(self._token, self._generation, spec.index)
+        return _Segment.create(name, spec.nbytes)
 
-    def _place(
-        self,
-        base: torch.Tensor,
-        bucket: int,
-        e: TensorEntry,
-        tensors: Mapping[str, torch.Tensor],
-    ) -> None:
-        with self._packing(bucket, e):
-            tensor = self._tensor(tensors, bucket, e)
-            if tensor.device.type != "cpu":
-                raise PackError(self._name, bucket, e.name, f"is on {tensor.device}, not the CPU")
-            view = entry_view(base, e).view(e.shape)
-            view.copy_(tensor)
-            if tensor.stride() == view.stride() and tensor.dtype == view.dtype:
-                tensor.data = view  # from now on it lives in the segment
-                self._addresses[e.name] = view.data_ptr()
-            else:
-                # Workers read a bucket's bytes in row-major order and in the engine's
-                # dtype, so a transposed or channels_last tensor, or one the engine
-                # holds in another dtype, cannot live in the segment without changing
-                # under the training loop: it keeps its own memory, and its values are
-                # copied (cast) into the segment at every push instead.
-                self._addresses.pop(e.name, None)
+    def _base(self, slab: _Segment) -> torch.Tensor | None:
+        return slab.tensor
 
-    def _refresh(self, bucket: Bucket) -> int | None:
-        with self._buffer_lock:
-            return self._refresh_locked(bucket)
+    def _layout_failed(self, slabs: Mapping[int, _Segment], exc: BaseException) -> None:
+        # Parameters placed so far keep their memory (their views hold it).
+        for seg in slabs.values():
+            _unlink_segment(seg)
 
-    def _refresh_locked(self, bucket: Bucket) -> int | None:
-        import torch
-
-        tensors = self._read()
-        segment = self._segments.get(bucket.index)
-        if segment is None or segment.tensor is None:  # closed while this waited
-            raise ClosedError(f"trainer source {self._name!r} was closed")
-        base = segment.tensor
-        with torch.no_grad():
-            for e in bucket.entries:
-                tensor = self._tensor(tensors, bucket.index, e)
-                address = self._addresses.get(e.name)
-                if e.nbytes and tensor.data_ptr() != address:
-                    self._place(base, bucket.index, e, tensors)
-                    if address is not None:  # it lived in the segment and was replaced
-                        self.relocated += 1
-        if not self._checksum:
-            return None
-        return checksum(base[e.offset : e.offset + e.nbytes] for e in bucket.entries)
+    def _device_error(self, tensor: torch.Tensor, base: torch.Tensor) -> str | None:
+        if tensor.device.type != "cpu":
+            return f"is on {tensor.device}, not the CPU"
+        return None
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
     ) -> tuple[Handle, ...]:
         from ..transport.shm import ShmHandle
 
-        if bucket.index not in self._segments:
-            raise ClosedError(f"trainer source {self._name!r} has no segments (not prepared)")
-        crc = await anyio.to_thread.run_sync(self._refresh, bucket, limiter=self._limiter)
-        segment = self._segments[bucket.index].name
+        self._check_prepared(bucket)
+        crc = await self._refresh_in_thread(bucket)
+        segment = self._slabs[bucket.index].name
         handles: tuple[ShmHandle, ...] = tuple(
             ShmHandle(
                 device=d,
@@ -189,7 +110,7 @@ class SharedParameterTrainer(_InProcessSource):
         return handles
 
     def _unlink(self) -> None:
-        segments, self._segments = self._segments, {}
+        segments, self._slabs = self._slabs, {}
         self._fingerprint = None
         for seg in segments.values():
             _unlink_segment(seg)
