@@ -58,7 +58,7 @@ from ._worker import TrainerSource as TrainerSource
 from ._worker import TransmittingSource as TransmittingSource
 from ._worker import Worker as Worker
 from .trainer._local import LocalTrainer as LocalTrainer
-from .trainer._local import SharedParameterTrainer as SharedParameterTrainer
+from .trainer._shared import SharedParameterTrainer as SharedParameterTrainer
 
 __version__ = "0.1.0"
 

@@ -47,7 +47,8 @@ from .._exceptions import PlanError
 from .._loop import backend_options
 from .._messages import LoadBucket, encode, encoded_size
 from .._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
-from ..trainer._local import LocalTrainer, SharedParameterTrainer
+from ..trainer._local import LocalTrainer
+from ..trainer._shared import SharedParameterTrainer
 from ..transport._base import Handle
 from ._machine import machine_info, machine_line
 from ._table import Column, table

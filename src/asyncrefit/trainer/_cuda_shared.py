@@ -8,18 +8,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from .._cuda import cuda_device, device_index
 from .._device import DeviceId
-from .._exceptions import ClosedError, PackError, TransportError
+from .._exceptions import TransportError
 from ..transport._base import Handle
-from ._local import NamesLike, _InProcessSource, entry_view
+from ._local import NamesLike
+from ._slabs import SlabSpec, _SlabSource
 
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, Plan, TensorEntry
+    from .._plan import Bucket, Plan
 
 
 @dataclass(slots=True)
@@ -34,7 +33,7 @@ class _Slab:
     event_handle: bytes
 
 
-class CudaSharedParameterTrainer(_InProcessSource):
+class CudaSharedParameterTrainer(_SlabSource[_Slab]):
     """A zero-copy :class:`~asyncrefit.TrainerSource` for parameters on one GPU.
 
     The GPU counterpart of :class:`~asyncrefit.SharedParameterTrainer`: ``prepare``
@@ -84,12 +83,6 @@ class CudaSharedParameterTrainer(_InProcessSource):
         self.device_id: DeviceId = cuda_device(self._index, node=node)
         super().__init__(parameters, devices=[self.device_id], node=node, name=name, names=names)
         self._owner = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._generation = 0
-        self._slabs: dict[int, _Slab] = {}
-        self._addresses: dict[str, int] = {}
-        self._fingerprint: str | None = None
-        self._checksum = False
-        self.relocated = 0  # parameters copied back into place after being replaced
 
     def __repr__(self) -> str:
         size = sum(s.storage_bytes for s in self._slabs.values())
@@ -98,106 +91,54 @@ class CudaSharedParameterTrainer(_InProcessSource):
             f"slabs={len(self._slabs)} bytes={size}>"
         )
 
-    async def prepare(
-        self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
-    ) -> None:
-        await anyio.to_thread.run_sync(self._layout, plan, limiter=self._limiter)
-        self._checksum = checksum
+    def _layout_locked(self, plan: Plan) -> bool:
+        laid_out = super()._layout_locked(plan)
+        if laid_out:
+            self._generation += 1  # consumers open the new slabs' handles afresh
+        return laid_out
 
-    def _layout(self, plan: Plan) -> None:
-        with self._buffer_lock:
-            self._layout_locked(plan)
-
-    def _layout_locked(self, plan: Plan) -> None:
+    def _allocate(self, spec: SlabSpec) -> _Slab:
         import torch
 
         from ..transport.cuda_ipc import interprocess_event, share_cuda_tensor
 
-        if plan.fingerprint == self._fingerprint and self._slabs:
-            return
-        tensors = self._read()
         device = torch.device("cuda", self._index)
-        slabs: dict[int, _Slab] = {}
-        try:
-            for bucket in plan.buckets:
-                tensor = torch.empty(max(1, bucket.nbytes), dtype=torch.uint8, device=device)
-                ipc_handle, storage_bytes, storage_offset = share_cuda_tensor(tensor)
-                event, event_handle = interprocess_event(self._index)
-                slabs[bucket.index] = _Slab(
-                    tensor, ipc_handle, storage_bytes, storage_offset, event, event_handle
-                )
-            with torch.no_grad():
-                for bucket in plan.buckets:
-                    for e in bucket.entries:
-                        self._place(slabs[bucket.index].tensor, bucket.index, e, tensors)
-        except RuntimeError as exc:
+        tensor = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+        ipc_handle, storage_bytes, storage_offset = share_cuda_tensor(tensor)
+        event, event_handle = interprocess_event(self._index)
+        return _Slab(tensor, ipc_handle, storage_bytes, storage_offset, event, event_handle)
+
+    def _base(self, slab: _Slab) -> torch.Tensor:
+        return slab.tensor
+
+    def _layout_failed(self, slabs: Mapping[int, _Slab], exc: BaseException) -> None:
+        # The slabs no parameter was placed in are freed with the last reference.
+        if isinstance(exc, RuntimeError):
             raise TransportError(
                 f"cannot lay out the parameters of {self._name!r} in slabs on "
                 f"cuda:{self._index}: {exc}"
             ) from exc
-        self._slabs = slabs
-        self._generation += 1
-        self._fingerprint = plan.fingerprint
 
-    def _place(
-        self, base: torch.Tensor, bucket: int, e: TensorEntry, tensors: Mapping[str, torch.Tensor]
-    ) -> None:
-        with self._packing(bucket, e):
-            tensor = self._tensor(tensors, bucket, e)
-            if tensor.device != base.device:
-                raise PackError(
-                    self._name, bucket, e.name, f"is on {tensor.device}, not {base.device}"
-                )
-            view = entry_view(base, e).view(e.shape)
-            view.copy_(tensor)
-            if tensor.stride() == view.stride() and tensor.dtype == view.dtype:
-                tensor.data = view  # from now on it lives in the slab
-                self._addresses[e.name] = view.data_ptr()
-            else:
-                self._addresses.pop(e.name, None)  # copied (cast) in at every push
-
-    def _refresh(self, bucket: Bucket) -> int | None:
-        with self._buffer_lock:
-            return self._refresh_locked(bucket)
-
-    def _refresh_locked(self, bucket: Bucket) -> int | None:
+    def _refreshed(self, slab: _Slab) -> None:
         import torch
 
-        from .._checksum import checksum
-
-        slab = self._slabs.get(bucket.index)
-        if slab is None:  # closed while this waited
-            raise ClosedError(f"trainer source {self._name!r} was closed")
-        tensors = self._read()
-        with torch.no_grad():
-            for e in bucket.entries:
-                tensor = self._tensor(tensors, bucket.index, e)
-                address = self._addresses.get(e.name)
-                if e.nbytes and tensor.data_ptr() != address:
-                    self._place(slab.tensor, bucket.index, e, tensors)
-                    if address is not None:  # it lived in the slab and was replaced
-                        self.relocated += 1
         # Consumers' reads start after everything this stream did so far (the
-        # optimizer step, the copies above).
+        # optimizer step, the copies of the refresh).
         slab.event.record(torch.cuda.current_stream(self._index))
-        if not self._checksum:
-            return None
-        return checksum(slab.tensor[e.offset : e.offset + e.nbytes] for e in bucket.entries)
 
     async def export(
         self, bucket: Bucket, slot: int, devices: Sequence[DeviceId]
     ) -> tuple[Handle, ...]:
         from ..transport.cuda_ipc import CudaIpcHandle
 
-        if bucket.index not in self._slabs:
-            raise ClosedError(f"trainer source {self._name!r} has no slabs (not prepared)")
+        self._check_prepared(bucket)
         for d in devices:
             if d != self.device_id:
                 raise TransportError(
                     f"a slab on {self.device_id} cannot serve device {d}: route workers "
                     "on other GPUs to another source"
                 )
-        crc = await anyio.to_thread.run_sync(self._refresh, bucket, limiter=self._limiter)
+        crc = await self._refresh_in_thread(bucket)
         slab = self._slabs[bucket.index]
         return tuple(
             CudaIpcHandle(
