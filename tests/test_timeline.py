@@ -14,7 +14,9 @@ from typing import Any
 import anyio
 import pytest
 
+import asyncrefit
 from asyncrefit import PushError, RefitCoordinator
+from asyncrefit.cli import main
 from asyncrefit.events import (
     BucketAcked,
     BucketPacked,
@@ -280,7 +282,7 @@ def test_events_without_a_push_begun_start_at_the_first_event() -> None:
 
 @pytest.mark.timeout(30)
 def test_missing_matplotlib_is_a_clear_import_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     events: list[PushEvent] = [
@@ -290,3 +292,39 @@ def test_missing_matplotlib_is_a_clear_import_error(
     with pytest.raises(ImportError, match=re.escape("pip install 'asyncrefit[timeline]'")):
         draw_timeline(events, tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+    # The command refuses --timeline before running anything.
+    status = main(["bench", "--size-mib", "1", "--timeline", str(tmp_path / "x.png")])
+    assert status == 2
+    assert "pip install 'asyncrefit[timeline]'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"asyncrefit {asyncrefit.__version__}\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_writes_the_trace_and_the_timeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    trace_path, png_path = tmp_path / "push.json", tmp_path / "push.png"
+    args = ["bench", "--size-mib", "4", "--repeats", "1", "--json"]
+    status = main([*args, "--trace", str(trace_path), "--timeline", str(png_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    result = json.loads(out)  # the bench's output is unchanged: one JSON object
+    assert result["repeats"] == 1 and result["refit_gbps"] > 0
+    trace = json.loads(trace_path.read_text())
+    _check_well_formed(trace)
+    # One push recorded: the extra one of the asyncrefit variant, after 1 + 1 pushes.
+    assert list(_names(trace, "process_name").values()) == ["asyncrefit push 3"]
+    packs = [e for e in trace["traceEvents"] if e["name"] == "pack"]
+    assert len(packs) == result["buckets"]
+    workers = {n for n in _names(trace, "thread_name").values() if n.startswith("worker ")}
+    assert len(workers) == result["workers"]
+    assert png_path.read_bytes()[:8] == PNG_SIGNATURE
