@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from . import __version__
 from ._exceptions import AsyncRefitError
 
 
@@ -15,6 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrefit", description="Push trained weights into inference workers."
     )
+    parser.add_argument("--version", action="version", version=f"asyncrefit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -30,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--size-mib", type=int, default=1024, help="parameter set size (1024)")
     bench.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (3)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--trace", metavar="PATH", help="write one push as a Chrome trace (JSON)")
+    bench.add_argument(
+        "--timeline", metavar="PATH", help="draw one push as a PNG (needs matplotlib)"
+    )
 
     plan = sub.add_parser("plan", help="show how a parameter set is cut into buckets")
     plan.add_argument("--bucket-mib", type=float, default=256.0, help="bucket size (256)")

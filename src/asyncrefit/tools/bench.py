@@ -16,6 +16,10 @@ one run:
 Every variant is verified once: the workers' parameter digests must equal the
 trainer's, or :class:`VerificationError` is raised.
 
+With ``--trace`` / ``--timeline``, one more push of the asyncrefit variant, after the
+timed ones and not timed, is recorded (its :mod:`asyncrefit.events`) and written as a
+Chrome trace and / or drawn as a PNG by :mod:`asyncrefit.tools.timeline`.
+
 The scripts in ``benchmarks/`` share its helpers: parameter sets (:func:`llama_specs`,
 :func:`module_from_specs`), the memcpy limit (:func:`measure_memcpy`) and the median
 push (:func:`median_push`); the machine's description is in
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 
     from .._plan import Bucket
     from .._report import RefitReport
+    from ..events import PushEvent
     from ..local import LocalWorker
 
 MIB = 2**20
@@ -454,6 +459,7 @@ async def _run_variant(
     repeats: int,
     memcpy_gbps: float,
     seed: int,
+    record: list[PushEvent] | None = None,
 ) -> VariantResult:
     await anyio.to_thread.run_sync(fill_random, module, seed)
     devices = (
@@ -486,6 +492,12 @@ async def _run_variant(
             t0 = time.perf_counter()
             report = await refit.push(version=2 + r)
             timed.append((time.perf_counter() - t0, report))
+        if record is not None:  # one more push, not timed, with its events recorded
+            unsubscribe = refit.subscribe(record.append)
+            try:
+                await refit.push(version=2 + repeats)
+            finally:
+                unsubscribe()
     expected = await anyio.to_thread.run_sync(module_digests, module)
     await verify_workers(workers, expected, what=f"variant {variant.key!r}")
     independent = exporter.independent_bytes(1 + repeats) if exporter is not None else None
@@ -522,13 +534,16 @@ async def run_bench(
     *,
     threads: int | None = None,
     progress: Progress | None = None,
+    record: list[PushEvent] | None = None,
 ) -> dict[str, Any]:
     """Run the whole benchmark once; returns a JSON-ready dict.
 
     ``threads`` sets torch's intra-op threads of this process (the trainer's packing
     and the memcpy reference) for the run, restored afterwards; by default torch's
     own. Worker processes copy with one thread each, as ``spawn_local_workers`` does by
-    default. ``progress`` is called with a line before each phase.
+    default. ``progress`` is called with a line before each phase. With ``record``,
+    one more push of the asyncrefit variant (after its timed ones, not timed) is made
+    and its events are appended to that list.
 
     Keys: ``memcpy_gbps`` (the limit: every tensor copied into one flat buffer, best
     of several runs; ``memcpy_median_gbps`` too), ``memcpy_contiguous_gbps``,
@@ -548,12 +563,14 @@ async def run_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return await _run_bench(size_mib, repeats, progress)
+        return await _run_bench(size_mib, repeats, progress, record)
     finally:
         torch.set_num_threads(before)
 
 
-async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> dict[str, Any]:
+async def _run_bench(
+    size_mib: int, repeats: int, progress: Progress | None, record: list[PushEvent] | None
+) -> dict[str, Any]:
     say: Progress = progress if progress is not None else (lambda _: None)
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     machine = machine_info()
@@ -586,6 +603,7 @@ async def _run_bench(size_mib: int, repeats: int, progress: Progress | None) -> 
                 repeats=repeats,
                 memcpy_gbps=memcpy.gbps,
                 seed=seed,
+                record=record if variant.key == "asyncrefit" else None,
             )
 
     main, a, b = results["asyncrefit"], results["broadcast_all"], results["one_in_flight"]
@@ -711,10 +729,13 @@ def run(
     *,
     threads: int | None = None,
     progress: Progress | None = None,
+    record: list[PushEvent] | None = None,
 ) -> dict[str, Any]:
     """:func:`run_bench` on a fresh event loop (uvloop when it imports)."""
     return anyio.run(
-        functools.partial(run_bench, size_mib, repeats, threads=threads, progress=progress),
+        functools.partial(
+            run_bench, size_mib, repeats, threads=threads, progress=progress, record=record
+        ),
         backend="asyncio",
         backend_options=backend_options(),
     )
@@ -726,16 +747,41 @@ def progress_line(message: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``asyncrefit bench``: run the benchmark, print a table or (``--json``) JSON."""
+    """``asyncrefit bench``: run the benchmark, print a table or (``--json``) JSON.
+
+    ``--trace PATH`` / ``--timeline PATH`` (attributes ``trace`` / ``timeline``, absent
+    or ``None`` for neither) write one recorded push as a Chrome trace (JSON) / a PNG;
+    without matplotlib, ``--timeline`` is refused (status 2) before anything runs.
+    """
     if args.size_mib < 1 or args.repeats < 1:
         print("asyncrefit bench: --size-mib and --repeats must be positive", file=sys.stderr)
         return 2
+    trace_path, timeline_path = getattr(args, "trace", None), getattr(args, "timeline", None)
+    if timeline_path is not None:
+        from .timeline import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            print(f"asyncrefit bench: {exc}", file=sys.stderr)
+            return 2
+    record: list[PushEvent] | None = [] if trace_path or timeline_path else None
     try:
-        result = run(args.size_mib, args.repeats, progress=progress_line)
+        result = run(args.size_mib, args.repeats, progress=progress_line, record=record)
     except VerificationError as exc:
         print(f"asyncrefit bench: VERIFICATION FAILED: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if record is not None:
+        from .timeline import chrome_trace, draw_timeline
+
+        if trace_path is not None:
+            with open(trace_path, "w", encoding="utf-8") as out:
+                json.dump(chrome_trace(record), out)
+            progress_line(f"wrote the trace of the recorded push to {trace_path}")
+        if timeline_path is not None:
+            draw_timeline(record, timeline_path)
+            progress_line(f"drew the recorded push in {timeline_path}")
     return 0
 
 
