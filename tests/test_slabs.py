@@ -10,6 +10,7 @@ current stream) answer as a GPU would, recording what was asked of them.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +219,7 @@ def in_slab(tensor: torch.Tensor, trainer: HostSlabTrainer) -> bool:
     return False
 
 
-def slab_value(trainer: HostSlabTrainer, bucket: Bucket, name: str) -> torch.Tensor:
+def slab_value(trainer: Any, bucket: Bucket, name: str) -> torch.Tensor:
     """What the slab of ``bucket`` holds as parameter ``name``."""
     (e,) = (e for e in bucket.entries if e.name == name)
     return entry_view(trainer._slabs[bucket.index].tensor, e).view(e.shape)
@@ -355,5 +356,25 @@ async def test_shared_trainer_lays_out_anew_only_for_a_new_parameter_set() -> No
     assert len(now) == 3 and not now & first  # the old ones unlinked, new names
     (handle,) = await trainer.export(plan.buckets[2], 0, [DeviceId(node="n", device="cpu:0")])
     assert isinstance(handle, ShmHandle) and handle.segment in now
+    await trainer.aclose()
+    assert own_segments() == []
+
+
+async def test_shared_trainer_lays_out_anew_when_only_the_buckets_change() -> None:
+    """The same parameters cut into other buckets need slabs of the new sizes."""
+    params = params_of(4)  # four 1 KiB tensors
+    trainer = SharedParameterTrainer(params)
+    small = plan_buckets(trainer.specs(), 1 * KIB)
+    await trainer.prepare(small, 1, small.max_bucket_bytes)
+    assert len(own_segments()) == 4
+    large = plan_buckets(trainer.specs(), 4 * KIB)
+    assert large.fingerprint == small.fingerprint and len(large.buckets) == 1
+    await trainer.prepare(large, 1, large.max_bucket_bytes)
+    (segment,) = own_segments()
+    (handle,) = await trainer.export(large.buckets[0], 0, [DeviceId(node="n", device="cpu:0")])
+    assert isinstance(handle, ShmHandle) and handle.segment == segment
+    assert os.stat(f"/dev/shm/{segment}").st_size >= large.buckets[0].nbytes
+    for entry in large.buckets[0].entries:
+        assert torch.equal(slab_value(trainer, large.buckets[0], entry.name), params[entry.name])
     await trainer.aclose()
     assert own_segments() == []

@@ -165,7 +165,7 @@ class CudaSharedParameterTrainer(_SlabSource[_Slab]):
         import torch
 
         slabs, self._slabs = self._slabs, {}
-        self._fingerprint = None
+        self._laid_out = None
         if slabs:
             torch.cuda.current_stream(self._index).synchronize()
         slabs.clear()  # the parameters' views keep the memory

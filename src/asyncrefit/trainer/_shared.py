@@ -111,7 +111,7 @@ class SharedParameterTrainer(_SlabSource["_Segment"]):
 
     def _unlink(self) -> None:
         segments, self._slabs = self._slabs, {}
-        self._fingerprint = None
+        self._laid_out = None
         for seg in segments.values():
             _unlink_segment(seg)
 

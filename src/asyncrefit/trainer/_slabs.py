@@ -53,7 +53,7 @@ class SlabLayout:
     """Where a plan's parameters live: one slab per bucket, in the plan's order.
 
     A pure value: it depends on the plan only. A source lays its parameters out anew
-    only when the parameter set (the plan's fingerprint) changed.
+    when the layout changed: the parameter set, or only how it is cut into buckets.
     """
 
     fingerprint: str
@@ -157,7 +157,7 @@ class _SlabSource(_InProcessSource, Generic[_S]):
         self._generation = 0
         self._slabs: dict[int, _S] = {}
         self._addresses: dict[str, int] = {}  # parameter -> its data in its slab
-        self._fingerprint: str | None = None
+        self._laid_out: SlabLayout | None = None  # the layout the slabs hold
         self._checksum = False
         self.relocated = 0  # parameters copied back into place after being replaced
 
@@ -204,7 +204,7 @@ class _SlabSource(_InProcessSource, Generic[_S]):
         import torch
 
         layout = SlabLayout.of(plan)
-        if layout.fingerprint == self._fingerprint and self._slabs:
+        if layout == self._laid_out and self._slabs:
             return False
         self._begin_layout()
         tensors = self._read()
@@ -222,7 +222,7 @@ class _SlabSource(_InProcessSource, Generic[_S]):
             self._layout_failed(slabs, exc)
             raise
         self._slabs = slabs
-        self._fingerprint = layout.fingerprint
+        self._laid_out = layout
         return True
 
     def _place(
