@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.timeout(60)
 KIB = 1024
 LABELS = {"coordinator", "outcome", "worker", "le"}
 PORT_0 = ("--metrics-port", "0")
+FEW = ("--dispatches", "20")
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -442,3 +444,25 @@ def test_demo_cli_serves_metrics_while_it_runs() -> None:
     assert json.loads(out)["verified"] is True
     with pytest.raises(urllib.error.URLError):
         scrape(url)  # the server stopped with the demo
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_observe_bench_runs_every_listener_and_verifies() -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "observe_bench.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--size-mib", "4", "--repeats", "2", "--json", *FEW],
+        capture_output=True,
+        text=True,
+        timeout=160,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    assert result["verified"] is True
+    assert [r["setup"] for r in result["rows"]] == ["none", "callback", "metrics", "stream"]
+    # one push's events: begun, a packed per bucket, an ack per bucket and worker, committed
+    assert result["events_per_push"] == 2 + result["buckets"] * (1 + result["workers"])
+    for row in result["rows"]:
+        assert len(row["seconds_all"]) == 2 and row["median_seconds"] > 0
+        assert (row["listener_cpu_us_per_push"] > 0) == (row["setup"] != "none")
