@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev,ray]"
+	$(BIN)/python -m pip install -q -e ".[dev,ray,metrics,timeline]"
 ifneq ($(strip $(VLLM)),)
 	$(BIN)/python -m pip install -q "$(VLLM)" "$(TORCH)"
 	# PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch; vLLM

@@ -25,6 +25,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="local worker processes (2)")
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps, one push each (3)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on 127.0.0.1:PORT while the demo runs (0: any free "
+        "port, told on stderr; needs the metrics extra)",
+    )
 
     bench = sub.add_parser(
         "bench", help="measure refit throughput against memcpy and two baselines"

@@ -13,6 +13,8 @@ import functools
 import json
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -28,6 +30,8 @@ from .demo_model import ModelConfig, build_model, copy_task_batch
 
 if TYPE_CHECKING:
     import torch
+
+    from ..metrics import RefitMetrics
 
 BUDGET_BYTES = 8 * 2**20
 """Staging budget: two 4 MiB buckets in flight, so the ~13 MiB model takes several."""
@@ -141,7 +145,25 @@ async def _check(
     return {w.name: checks[w.name] for w in workers}
 
 
-async def run_demo(workers: int = 2, steps: int = 3, *, progress: bool = False) -> dict[str, Any]:
+@asynccontextmanager
+async def _attached(metrics: RefitMetrics | None, refit: RefitCoordinator) -> AsyncIterator[None]:
+    """``metrics`` attached to ``refit`` (as ``"demo"``) for the block, if any."""
+    detach = metrics.attach(refit, "demo") if metrics is not None else None
+    try:
+        yield
+    finally:
+        if detach is not None:
+            detach()
+
+
+async def run_demo(
+    workers: int = 2,
+    steps: int = 3,
+    *,
+    progress: bool = False,
+    metrics: RefitMetrics | None = None,
+    after_push: Callable[[int], Awaitable[object]] | None = None,
+) -> dict[str, Any]:
     """Train the demo transformer for ``steps`` steps, pushing after each; verify each push.
 
     Starts ``workers`` local worker processes, each building the same model, and pushes
@@ -150,7 +172,9 @@ async def run_demo(workers: int = 2, steps: int = 3, *, progress: bool = False) 
     ``steps``, ``parameters``, and ``pushes``, one dict per push with ``version``,
     ``bytes``, ``seconds``, ``gbps``, ``handle_bytes_per_worker``, ``buckets``,
     ``loss``, ``verified`` and the individual ``checks`` (plus the report's other
-    fields). ``progress`` draws a progress bar on stderr.
+    fields). ``progress`` draws a progress bar on stderr. ``metrics`` are attached to
+    the demo's coordinator (as ``"demo"``) while it is open; ``after_push(version)`` is
+    awaited after each push was verified (to look at the metrics between pushes).
 
     Raises :class:`ValueError` for fewer than one worker or step, and the library's
     :class:`AsyncRefitError` subclasses if starting workers or a push fails.
@@ -178,9 +202,10 @@ async def run_demo(workers: int = 2, steps: int = 3, *, progress: bool = False) 
             # Same factory, same seed: before any push the workers compute what we do.
             initial = await _check(pool, None, module_digests(model), eval_tokens, previous)
             initial_ok = all(all(c.values()) for c in initial.values())
-            async with RefitCoordinator(
-                trainer=model, workers=pool, budget_bytes=BUDGET_BYTES
-            ) as refit:
+            async with (
+                RefitCoordinator(trainer=model, workers=pool, budget_bytes=BUDGET_BYTES) as refit,
+                _attached(metrics, refit),
+            ):
                 bar.advance("training step 1")
                 for step in range(1, steps + 1):
                     tokens = copy_task_batch(data, TRAIN_BATCH, SEQUENCE)
@@ -208,6 +233,8 @@ async def run_demo(workers: int = 2, steps: int = 3, *, progress: bool = False) 
                     )
                     pushes.append(entry)
                     previous = logits
+                    if after_push is not None:
+                        await after_push(step)
                     bar.advance(f"training step {step + 1}" if step < steps else "shutting down")
     finally:
         bar.close()
@@ -280,6 +307,25 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def _metrics_served(port: int | None) -> Iterator[RefitMetrics | None]:
+    """Metrics on a registry of their own, served on ``127.0.0.1:port`` for the block."""
+    if port is None:
+        yield None
+        return
+    from prometheus_client import CollectorRegistry
+
+    from ..metrics import RefitMetrics, serve_metrics  # ImportError naming the extra
+
+    metrics = RefitMetrics(CollectorRegistry())
+    try:
+        with serve_metrics(port, registry=metrics.registry) as server:
+            print(f"asyncrefit demo: metrics on {server.url}", file=sys.stderr, flush=True)
+            yield metrics
+    finally:
+        metrics.close()
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed ``demo`` arguments; returns the exit status.
 
@@ -289,18 +335,29 @@ def main(args: argparse.Namespace) -> int:
     (starting workers, training, a push, verifying, rendering) or the arguments are
     bad. Failures are also told on stderr (see :func:`asyncrefit.cli.report_failure`);
     workers are stopped and shared memory released by :func:`run_demo` on every path.
+
+    ``--metrics-port PORT`` serves the demo coordinator's Prometheus metrics on
+    ``127.0.0.1:PORT`` while the demo runs (``0``: a free port); the address is told on
+    stderr before the demo starts, ``asyncrefit demo: metrics on http://...``. The
+    server is closed when the demo ends, whatever happens.
     """
-    if args.workers < 1 or args.steps < 1:
-        message = "--workers and --steps must be at least 1"
+    port = getattr(args, "metrics_port", None)
+    if args.workers < 1 or args.steps < 1 or (port is not None and not 0 <= port <= 65535):
+        message = "--workers and --steps must be at least 1, --metrics-port 0 to 65535"
         if args.json:
             print(json.dumps({"verified": False, "error": f"ValueError: {message}"}))
         print(f"asyncrefit demo: {message}", file=sys.stderr)
         return 2
-    run = functools.partial(
-        run_demo, args.workers, args.steps, progress=not args.json and sys.stderr.isatty()
-    )
     try:
-        result = anyio.run(run, backend="asyncio", backend_options=backend_options())
+        with _metrics_served(port) as metrics:
+            run = functools.partial(
+                run_demo,
+                args.workers,
+                args.steps,
+                progress=not args.json and sys.stderr.isatty(),
+                metrics=metrics,
+            )
+            result = anyio.run(run, backend="asyncio", backend_options=backend_options())
         text = json.dumps(result) if args.json else format_table(result)
     except Exception as exc:
         return report_failure("demo", exc, as_json=args.json)
