@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from .._checksum import checksum
 from .._device import DeviceId, local_node_id
 from .._exceptions import AsyncRefitError, IntegrityError, TransportError
+from .._layout import check_layout
 from .._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -60,7 +61,7 @@ from .._messages import (
     VersionReply,
 )
 from .._plan import ParamSpec
-from .._receiver import UpdateStateError, VersionState, check_layout
+from .._version import UpdateStateError, VersionState
 from ..transport._base import Handle, Importer, dtype_name, make_importer, torch_dtype
 from . import _reload
 from ._wire import BACKEND, Aborted, BlockingChannel, Hello
