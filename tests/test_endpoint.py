@@ -1,13 +1,15 @@
 """The worker-side endpoint: dispatch, validation before any write, version state, sinks.
 
-Driven with a real sink (the parameter sink of the local and Ray backends) and real
-shared-memory handles.
+Driven with real sinks (the parameter sink of the local and Ray backends, the vLLM
+reload sink over a stand-in model) and real shared-memory handles.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,9 @@ from asyncrefit._messages import (
 )
 from asyncrefit._receiver import ParameterSink
 from asyncrefit.transport import Handle, Importer, SharedMemoryExporter, SharedMemoryImporter
+from asyncrefit.vllm import _reload
+from asyncrefit.vllm._sink import ReloadSink
+from asyncrefit.vllm._wire import Aborted
 
 from .test_receiver import pack, same_bits, specs_of
 
@@ -360,5 +365,133 @@ def test_a_bad_checksum_of_a_parameter_copy_leaves_the_version_incomplete(
         reply = endpoint.handle(LoadBucket(version=2, bucket=0, handles=wrong))
         assert isinstance(reply, ErrorReply) and reply.type == "IntegrityError", reply
         assert endpoint.state.dirty and endpoint.version is None  # verified after the copy
+    finally:
+        endpoint.close()
+
+
+# --- the vLLM reload sink, over a stand-in model -------------------------------------------
+
+
+class _Model:
+    """What the reload sink needs of a vLLM model: ``load_weights``."""
+
+    def __init__(self) -> None:
+        self.loaded: list[list[tuple[str, torch.Tensor]]] = []
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.loaded.append(weights)
+
+
+class _Target:
+    def __init__(self, specs: tuple[ParamSpec, ...]) -> None:
+        self.model: Any = _Model()
+        self.model_config: Any = None
+        self.vllm_config: Any = None
+        self.device: Any = torch.device("cpu")
+        self.specs = specs
+
+
+@pytest.fixture
+def reload_sink(monkeypatch: pytest.MonkeyPatch) -> ReloadSink:
+    with warnings.catch_warnings():  # vLLM warns at import; the sink's loads import it
+        warnings.simplefilter("ignore")
+        pytest.importorskip("vllm.model_executor.model_loader.mtp_validation")
+    specs = tuple(specs_of(tensors(0)))
+    target = _Target(specs)
+    monkeypatch.setattr("asyncrefit.vllm._sink.checkpoint_specs", lambda config: specs)
+    # No vLLM model: its review finds no layer to renew.
+    monkeypatch.setattr(_reload, "review", lambda model: _reload.Review())
+    return ReloadSink(target)
+
+
+def test_the_reload_sink_refuses_outside_a_reload_and_feeds_copies_inside(
+    exporter: SharedMemoryExporter, importer: SharedMemoryImporter, reload_sink: ReloadSink
+) -> None:
+    endpoint: Endpoint[Aborted] = Endpoint(reload_sink, DEV, importers={"shm": importer})
+    model = reload_sink._target.model
+    try:
+        source = tensors(3)
+        handles = buckets(exporter, source, 512)
+        reply = endpoint.handle(BeginUpdate(version=1))
+        assert reply == ErrorReply(
+            type="UpdateStateError", message="version 1 begun outside a weight update"
+        )
+        assert endpoint.state.pending is None
+        reload_sink.reloading = True  # what start() does, after vLLM's reload opened
+        assert endpoint.handle(BeginUpdate(version=1)) == Done()
+        reload_sink.reloading = False
+        reply = endpoint.handle(LoadBucket(version=1, bucket=0, handles=handles[0]))
+        assert reply == ErrorReply(
+            type="UpdateStateError", message="bucket 0 arrived outside a weight update"
+        )
+        reload_sink.reloading = True
+        # A bad name in the middle is refused before the model sees any tensor.
+        ghost = tuple(
+            replace(h, entries=(h.entries[0], replace(h.entries[1], name="ghost")))
+            if len(h.entries) > 1
+            else h
+            for h in handles[0]
+        )
+        assert len(ghost[1].entries) == 2
+        reply = endpoint.handle(LoadBucket(version=1, bucket=0, handles=ghost))
+        assert reply == ErrorReply(
+            type="TransportError",
+            message="bucket 0 names 'ghost', which the model does not load",
+        )
+        wrong = tuple(replace(h, checksum=7) for h in handles[0])
+        reply = endpoint.handle(LoadBucket(version=1, bucket=0, handles=wrong))
+        assert isinstance(reply, ErrorReply) and reply.type == "IntegrityError"
+        assert not model.loaded and endpoint.state.dirty is False  # checked before loading
+        for i, h in enumerate(handles):
+            ack = endpoint.handle(LoadBucket(version=1, bucket=i, handles=h))
+            assert isinstance(ack, BucketAck) and ack.copied == b"", ack
+        fed = dict(w for batch in model.loaded for w in batch)
+        assert sorted(fed) == ["a", "b", "c"]
+        opened = [importer.open(h[1]) for h in handles]
+        for n, t in source.items():
+            assert same_bits(fed[n], t), n
+            # Copies of the trainer's buffer, not views of it.
+            assert all(
+                fed[n].untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                for b in opened
+            )
+        del opened
+        # The commit is checked and kept: the version is complete once finalized.
+        assert endpoint.handle(CommitUpdate(version=1, buckets=2)) == Done()
+        assert endpoint.version is None and endpoint.state.pending == 1
+        endpoint.complete(1, 2)
+        assert endpoint.version == 1
+    finally:
+        endpoint.close()
+
+
+def test_the_reload_sink_answers_an_abort_with_what_it_holds(
+    exporter: SharedMemoryExporter,
+    importer: SharedMemoryImporter,
+    reload_sink: ReloadSink,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ended: list[bool] = []
+
+    def end_reload() -> None:  # what it does to the sink; vLLM's reload is not open
+        ended.append(True)
+        reload_sink.reloading = False
+
+    monkeypatch.setattr(reload_sink, "end_reload", end_reload)
+    endpoint: Endpoint[Aborted] = Endpoint(reload_sink, DEV, importers={"shm": importer})
+    try:
+        handles = buckets(exporter, tensors(3), 1 << 20)[0]
+        reload_sink.reloading = True
+        endpoint.handle(BeginUpdate(version=1))
+        assert endpoint.handle(AbortUpdate(version=1)) == Aborted(version=None, written=False)
+        assert ended == [True]
+        reload_sink.reloading = True
+        endpoint.handle(BeginUpdate(version=2))
+        endpoint.handle(LoadBucket(version=2, bucket=0, handles=handles))
+        assert endpoint.handle(AbortUpdate(version=2)) == Aborted(version=None, written=True)
+        assert ended == [True, True]
+        reload_sink.reloading = False  # the reload has ended: nothing to end again
+        assert endpoint.handle(AbortUpdate(version=2)) == Aborted(version=None, written=False)
+        assert ended == [True, True]
     finally:
         endpoint.close()
