@@ -23,7 +23,8 @@ from asyncrefit import (
     validate_worker,
 )
 from asyncrefit._plan import Bucket
-from asyncrefit._receiver import UpdateStateError, tensor_digest
+from asyncrefit._receiver import tensor_digest
+from asyncrefit._version import UpdateStateError
 from asyncrefit.transport import Importer, SharedMemoryExporter, SharedMemoryImporter, make_importer
 from asyncrefit.transport._base import Handle, dtype_name, torch_dtype
 
@@ -601,20 +602,20 @@ def test_tensor_digest_is_bitwise() -> None:
 def test_a_handle_seen_before_is_not_checked_again_and_still_delivers(
     exporter: SharedMemoryExporter, importer: SharedMemoryImporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asyncrefit._receiver as receiver_module
+    import asyncrefit._layout as layout_module
 
     source = make_source()
     params = destination_like(source)
     plan = plan_buckets(specs_of(source), 1024)
     exporter.allocate(2, plan.max_bucket_bytes)
     checks: list[int] = []
-    real = receiver_module.check_layout
+    real = layout_module.check_layout
 
     def counting(handle: Handle, buffer_bytes: int | None = None) -> None:
         checks.append(handle.bucket)
         real(handle, buffer_bytes)
 
-    monkeypatch.setattr(receiver_module, "check_layout", counting)
+    monkeypatch.setattr(layout_module, "check_layout", counting)
     receiver = ParameterReceiver(params, DEV, importers={"shm": importer})
     try:
         push(receiver, exporter, plan, source, version=1)
@@ -647,12 +648,12 @@ def test_views_of_buffers_a_new_generation_replaced_are_not_kept(
         fresh = make_source(seed=3)
         push(receiver, exporter, plan, fresh, version=2)
         current = {id(exporter_view) for exporter_view in _opened(importer, exporter, plan)}
-        held = {id(p.buffer) for p in receiver._prepared.values()}
+        held = {id(p.buffer) for p in receiver.parameter_sink._prepared.values()}
         assert held and held <= current
         for n, t in fresh.items():
             assert same_bits(params[n], t), n
         receiver.release_handles()
-        assert not receiver._prepared and len(importer) == 0
+        assert not receiver.parameter_sink._prepared and len(importer) == 0
     finally:
         receiver.close()
 
@@ -727,7 +728,8 @@ def test_views_are_kept_of_at_most_max_viewed_buffers(
                 pack(exporter, bucket.index, bucket, {n: t + version for n, t in source.items()})
                 receiver.load(version, bucket.index, (exporter.handle(bucket.index, bucket, DEV),))
             receiver.commit(version, slots)
-            assert len({id(p.buffer) for p in receiver._prepared.values()}) == MAX_VIEWED_BUFFERS
+            prepared = receiver.parameter_sink._prepared.values()
+            assert len({id(p.buffer) for p in prepared}) == MAX_VIEWED_BUFFERS
             for n, t in source.items():
                 assert same_bits(params[n], t + version), n
     finally:

@@ -50,9 +50,9 @@ from ._plan import TensorEntry as TensorEntry
 from ._plan import plan_buckets as plan_buckets
 from ._plan import validate_worker as validate_worker
 from ._receiver import ParameterReceiver as ParameterReceiver
-from ._receiver import VersionState as VersionState
 from ._report import RefitReport as RefitReport
 from ._report import StageTimes as StageTimes
+from ._version import VersionState as VersionState
 from ._worker import SourceInfo as SourceInfo
 from ._worker import TrainerSource as TrainerSource
 from ._worker import TransmittingSource as TransmittingSource

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from ._exceptions import IntegrityError
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,3 +64,13 @@ def checksum(tensors: Iterable[torch.Tensor]) -> int:
         with tensor_bytes(tensor) as data:
             crc = zlib.crc32(data, crc)
     return crc
+
+
+def verify_checksum(bucket: int, expected: int | None, tensors: Iterable[torch.Tensor]) -> None:
+    """Raise :class:`~asyncrefit.IntegrityError` unless ``tensors`` have the CRC
+    ``expected`` (see :func:`checksum`); nothing is read when ``expected`` is ``None``."""
+    if expected is None:
+        return
+    got = checksum(tensors)
+    if got != expected:
+        raise IntegrityError(bucket, expected, got)

@@ -1,4 +1,9 @@
-"""The worker process of the local backend: its own event loop, a module, a receiver."""
+"""The worker process of the local backend: its own event loop, a module, a receiver.
+
+The refit requests are served by the receiver (an :class:`~asyncrefit._endpoint.Endpoint`
+over the module's parameters); the server adds what only a local worker does: copies
+in a thread, fault injection, diagnostics (digests, a forward pass) and shutdown.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +18,20 @@ import anyio
 
 from .._channel import connect_unix
 from .._device import DeviceId
+from .._endpoint import error_reply
 from .._loop import backend_options
 from .._messages import (
-    AbortUpdate,
-    BeginUpdate,
-    CommitUpdate,
     DeviceReply,
     Digest,
     DigestReply,
     Done,
-    ErrorReply,
     Forward,
     ForwardReply,
-    GetSpecs,
-    GetVersion,
     LoadBucket,
-    ReleaseHandles,
     Reply,
     ReportDevice,
     Request,
     Shutdown,
-    SpecsReply,
-    VersionReply,
     decode,
     encode,
 )
@@ -100,13 +97,7 @@ class WorkerServer:
             return await anyio.to_thread.run_sync(
                 self._late_on_the_gpu, request, limiter=self._limiter
             )
-        return await anyio.to_thread.run_sync(
-            self._receiver.load,
-            request.version,
-            request.bucket,
-            request.handles,
-            limiter=self._limiter,
-        )
+        return await anyio.to_thread.run_sync(self._receiver.handle, request, limiter=self._limiter)
 
     def _killed_mid_copy(self, request: LoadBucket) -> Reply:
         """Copy the bucket's first tensor, then die by SIGKILL (fault injection)."""
@@ -120,14 +111,14 @@ class WorkerServer:
         """Make the stream spin before the copies, then load (fault injection)."""
         import torch
 
-        handle = next(h for h in request.handles if h.device == self._receiver.device)
         from .._cuda import cuda_index
 
+        handle = self._receiver.own_handle(request.handles)
         index = cuda_index(handle.device.device)  # the slot's GPU: the copies run there
         cuda: Any = torch.cuda
         with torch.cuda.device(index):
             cuda._sleep(self._faults.gpu_delay_cycles)
-        return self._receiver.load(request.version, request.bucket, request.handles)
+        return self._receiver.handle(request)
 
     def _forward(self, inputs: Any) -> Any:
         import torch
@@ -141,24 +132,8 @@ class WorkerServer:
             match request:
                 case ReportDevice():
                     return DeviceReply(device=await self.report_device_id_async())
-                case GetSpecs():
-                    return SpecsReply(specs=r.specs())
-                case BeginUpdate(version=v):
-                    r.begin(v)
-                    return Done()
                 case LoadBucket():
                     return await self._load(request)
-                case CommitUpdate(version=v, buckets=n):
-                    r.commit(v, n)
-                    return Done()
-                case AbortUpdate(version=v):
-                    r.abort(v)
-                    return Done()
-                case GetVersion():
-                    return VersionReply(version=r.version)
-                case ReleaseHandles():
-                    r.release_handles()
-                    return Done()
                 case Digest():
                     return DigestReply(
                         digests=await anyio.to_thread.run_sync(r.digests, limiter=self._limiter)
@@ -171,8 +146,8 @@ class WorkerServer:
                     return Done()
         except Exception as exc:
             logger.debug("request %r failed", request, exc_info=True)
-            return ErrorReply(type=type(exc).__name__, message=str(exc))
-        return ErrorReply(type="TypeError", message=f"unknown request {type(request).__name__}")
+            return error_reply(exc)
+        return r.handle(request)
 
 
 def worker_main(

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import anyio
 
 from .._channel import FrameChannel, TcpListener, connect_tcp
+from .._endpoint import error_reply
 from .._exceptions import (
     WorkerDiedError,
     WorkerError,
@@ -342,7 +343,7 @@ async def _answer(step: Awaitable[object]) -> object:
     try:
         value = await step
     except Exception as exc:
-        return ErrorReply(type=type(exc).__name__, message=str(exc))
+        return error_reply(exc)
     return Done() if value is None else value
 
 
@@ -350,7 +351,7 @@ def _encoded(reply: object) -> bytes:
     try:
         return encode(reply)
     except Exception as exc:  # an override returned something that does not pickle
-        return encode(ErrorReply(type=type(exc).__name__, message=str(exc)))
+        return encode(error_reply(exc))
 
 
 async def serve_stream(

@@ -1,0 +1,73 @@
+"""What a worker holds: the pure state machine of its complete and pending versions."""
+
+from __future__ import annotations
+
+from ._exceptions import AsyncRefitError
+
+
+class UpdateStateError(AsyncRefitError):
+    """A worker was asked to load or commit a version it is not receiving."""
+
+
+class VersionState:
+    """Which version a worker holds completely, and which one it is receiving.
+
+    A worker that has had even one bucket of a new version written into it holds no
+    complete version until that version is committed: ``complete`` is then ``None``.
+    Aborting before any byte was written keeps the previous complete version.
+    """
+
+    __slots__ = ("complete", "dirty", "loaded", "pending")
+
+    def __init__(self) -> None:
+        self.complete: int | None = None
+        self.pending: int | None = None
+        self.dirty = False
+        self.loaded: set[int] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<VersionState complete={self.complete} pending={self.pending} "
+            f"loaded={len(self.loaded)}>"
+        )
+
+    def begin(self, version: int) -> None:
+        if self.pending is not None:
+            self.abort(self.pending)
+        self.pending, self.dirty, self.loaded = version, False, set()
+
+    def check_loading(self, version: int) -> None:
+        if self.pending != version:
+            raise UpdateStateError(
+                f"bucket of version {version} arrived, but the worker is receiving "
+                f"{self.pending if self.pending is not None else 'nothing'}"
+            )
+
+    def loading(self, version: int, bucket: int) -> None:
+        """Record that bytes of ``bucket`` are about to be written."""
+        self.check_loading(version)
+        self.dirty, self.complete = True, None
+        self.loaded.add(bucket)
+
+    def check_commit(self, version: int, buckets: int) -> None:
+        """Raise :class:`UpdateStateError` unless :meth:`commit` would succeed."""
+        self.check_loading(version)
+        if len(self.loaded) != buckets:
+            raise UpdateStateError(
+                f"version {version} committed with {len(self.loaded)} of {buckets} buckets loaded"
+            )
+
+    def commit(self, version: int, buckets: int) -> None:
+        self.check_commit(version, buckets)
+        self.complete, self.pending, self.dirty, self.loaded = version, None, False, set()
+
+    def written(self, version: int) -> bool:
+        """Whether any byte of ``version`` was written and the version is not committed."""
+        return self.pending == version and self.dirty
+
+    def abort(self, version: int) -> None:
+        if self.pending is None or self.pending != version:
+            return  # nothing of that version here: aborting is idempotent
+        if self.dirty:
+            self.complete = None
+        self.pending, self.dirty, self.loaded = None, False, set()

@@ -1,0 +1,281 @@
+"""The sink of a vLLM engine: a bucket's tensors into ``load_weights``, inside a reload.
+
+:class:`ReloadSink` is the :class:`~asyncrefit._endpoint.Sink` of
+:class:`~asyncrefit.vllm.worker.ChannelWeightTransferEngine`. The endpoint validates
+and opens a bucket's handle; the sink copies the tensors out of the trainer's buffer
+into tensors of this worker (vLLM's layerwise reload keeps a layer's tensors until all
+of that layer arrived, possibly in a later bucket, and the trainer reuses the buffer
+once the bucket is acked), then feeds them, under their checkpoint names, to the
+model's ``load_weights``. It owns the layerwise reload (``start`` .. ``finish``): a
+commit is accepted only if no layer would be left serving stale weights
+(:func:`~asyncrefit.vllm._reload.review` / :func:`~asyncrefit.vllm._reload.check`),
+and an abort puts partly loaded layers back.
+
+This module imports torch and vLLM: only vLLM worker processes import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import torch
+
+from .._checksum import verify_checksum
+from .._exceptions import AsyncRefitError
+from .._layout import Declared
+from .._plan import ParamSpec
+from .._version import UpdateStateError
+from ..transport._base import Handle, Importer, dtype_name, torch_dtype
+from . import _reload
+from ._wire import Aborted
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
+    """The parameters the engine's model accepts: its checkpoint's names and shapes.
+
+    vLLM fuses parameters (``q_proj``, ``k_proj``, ``v_proj`` into ``qkv_proj``) and
+    shards them across ranks, so the model's own parameters are not what a trainer
+    sends. What the model's ``load_weights`` accepts is what it was loaded from: the
+    tensors of its safetensors checkpoint, found the way vLLM's default loader found
+    them. The dtype is the one the engine serves in (``model_config.dtype``): send
+    tensors in that dtype. Raises :class:`AsyncRefitError` for other checkpoint formats.
+    """
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    model_config = vllm_config.model_config
+    loader = DefaultModelLoader(vllm_config.load_config)
+    # The same file selection (index filtering included) as the load at start-up.
+    _, files, use_safetensors, _ = loader._prepare_weights(
+        model_config.model, None, model_config.revision, True, None
+    )
+    if not use_safetensors:
+        raise AsyncRefitError(
+            f"the checkpoint of {model_config.model!r} is not in safetensors format: "
+            "asyncrefit reads the parameter names a vLLM model accepts from it"
+        )
+    dtype = dtype_name(model_config.dtype)
+    specs: dict[str, ParamSpec] = {}
+    for path in sorted(files):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                shape = tuple(int(d) for d in f.get_slice(name).get_shape())
+                specs[name] = ParamSpec(name=name, shape=shape, dtype=dtype)
+    return tuple(specs[n] for n in sorted(specs))
+
+
+@contextmanager
+def _no_mtp_check() -> Iterator[None]:
+    # A bucket holds part of the model; an MTP model must not check completeness.
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:  # pragma: no cover - older vLLM
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
+
+
+@dataclass
+class Faults:
+    """Faults to inject, each once (see
+    :meth:`asyncrefit.vllm.worker.RefitWorkerExtension.asyncrefit_inject_faults`)."""
+
+    fail_finalize: bool = False
+    abort_delay: float = 0.0
+
+
+class Target(Protocol):
+    """What the sink loads into: vLLM's weight-transfer engine (its update target).
+
+    Read at every use: vLLM may point the engine at another model between updates.
+    """
+
+    model: Any
+    model_config: Any
+    vllm_config: Any
+    device: Any
+
+
+class ReloadSink:
+    """Feeds validated buckets to the model's ``load_weights`` inside a layerwise reload.
+
+    ``reloading`` is whether vLLM's layerwise reload is open (:meth:`start` ..
+    :meth:`finish`): a version is begun and its buckets are taken only then. The
+    commit of a version is checked (:meth:`commit`) and kept until :meth:`finish`
+    finalizes the reload; only then is the version complete.
+
+    Resource handling: a bucket's tensors are copied out of the opened buffer, the
+    copies waited for on the host (an ordered handle included: no token is passed
+    back) and every view of the buffer dropped, before any tensor reaches the model;
+    no view is kept across buckets.
+
+    Error handling: a begin or a bucket outside a reload raises
+    :class:`~asyncrefit._version.UpdateStateError`; a copy that fails its checksum
+    raises :class:`~asyncrefit.IntegrityError` before it is loaded; a commit that would
+    leave a layer stale raises :class:`~asyncrefit.StaleWeightsError`. Aborting a
+    reload whose layers were partly loaded restores the layers that had not received
+    all their tensors. If finalizing fails, the layers it did not reach get their
+    previous tensors back and the error propagates (the version stays incomplete).
+    """
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+        self.reloading = False
+        self.faults = Faults()
+        self._declared: Declared | None = None
+        self._commit: tuple[int, int] | None = None
+        self._shared: list[_reload.SharedLayer] = []
+
+    def __repr__(self) -> str:
+        return f"<ReloadSink reloading={self.reloading} commit={self._commit}>"
+
+    # --- the sink --------------------------------------------------------------------
+
+    def declared(self) -> Declared:
+        if self._declared is None:
+            specs = checkpoint_specs(self._target.vllm_config)
+            self._declared = Declared(
+                specs={s.name: s for s in specs},
+                unknown="names {name!r}, which the model does not load",
+                own="expected",
+            )
+        return self._declared
+
+    def begin(self, version: int) -> None:
+        if not self.reloading:
+            raise UpdateStateError(f"version {version} begun outside a weight update")
+
+    def receiving(self, bucket: int) -> None:
+        if not self.reloading:
+            raise UpdateStateError(f"bucket {bucket} arrived outside a weight update")
+
+    def opening(self, handle: Handle) -> None:
+        pass  # no view outlives a bucket: nothing to drop
+
+    def write(
+        self,
+        bucket: int,
+        handle: Handle,
+        buffer: torch.Tensor,
+        importer: Importer,
+        writing: Callable[[], None],
+    ) -> bytes:
+        device = self._target.device
+        weights: list[tuple[str, torch.Tensor]] = []
+        for e in handle.entries:
+            src = buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
+            weights.append((e.name, src.view(e.shape).to(device, copy=True)))
+            del src
+        # Waited for on the host even for an ordered handle: the copies above must
+        # have read the buffer before the ack (no token is passed back from here).
+        importer.finish(handle)
+        importer.settle()
+        del buffer  # no view of the trainer's buffer is held from here on
+        verify_checksum(bucket, handle.checksum, (t for _, t in weights))  # before loading
+        writing()  # the model's bytes change now
+        with torch.no_grad(), _no_mtp_check():
+            cast(Any, self._target.model).load_weights(weights)
+        return b""
+
+    def commit(self, version: int, buckets: int) -> bool:
+        # Layers that share tensors with written ones must be renewed after the
+        # finalize: refuse now if one of them cannot be.
+        found = _reload.review(self._target.model)
+        _reload.check(found)
+        self._shared = list(found.shared)
+        self._commit = (version, buckets)
+        return False  # complete once the reload is finalized (finish)
+
+    def abort(self, version: int) -> None:
+        if self.faults.abort_delay > 0:
+            delay, self.faults.abort_delay = self.faults.abort_delay, 0.0
+            time.sleep(delay)
+        self._commit = None
+        if self.reloading:
+            self.end_reload()
+
+    def aborted(self, complete: int | None, written: bool) -> Aborted:
+        return Aborted(version=complete, written=written)
+
+    def release(self) -> None:
+        pass  # no view is kept: the importers close their mappings
+
+    # --- the reload session ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open vLLM's layerwise reload (any one left open must be ended first)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._commit = None
+        self._shared = []
+        initialize_layerwise_reload(self._target.model)
+        self.reloading = True
+
+    def finish(self) -> tuple[int, int] | None:
+        """Finalize the reload if a commit was accepted; that commit ``(version, buckets)``.
+
+        Returns ``None`` without a commit: a reload still open (``reloading``) must then
+        be ended as an abort (:meth:`end_reload`).
+        """
+        commit, self._commit = self._commit, None
+        shared, self._shared = self._shared, []
+        if not self.reloading or commit is None:
+            return None
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        target = self._target
+        self.reloading = False
+        try:
+            if self.faults.fail_finalize:
+                self.faults.fail_finalize = False
+                raise RuntimeError("injected fault: finalize_layerwise_reload failed")
+            finalize_layerwise_reload(target.model, target.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+            _reload.refresh(shared)
+        except BaseException:
+            _reload.restore_unfinished(target.model)
+            # The version stays pending and written: no complete version here, and
+            # the abort that follows reports bytes written (the engine is relabelled).
+            raise
+        return commit
+
+    def end_reload(self) -> None:
+        """End a layerwise reload without a commit; no layer is left half-loaded.
+
+        Layers that received only part of their tensors get their previous tensors
+        back; the rest is finalized as vLLM does (layers that received nothing keep
+        their previous tensors, complete ones were processed when they completed).
+        """
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, layerwise
+
+        model = self._target.model
+        self.reloading = False
+        self._shared = []
+        shared = _reload.review(model).shared
+        restore = getattr(layerwise, "_place_kernel_tensors", None)
+        for layer in model.modules():
+            info = layerwise.get_layerwise_info(layer)
+            partial = (
+                info.can_load()
+                and info.kernel_tensors is not None
+                and 0 < info.load_numel < (info.load_numel_total or 0)
+            )
+            if partial and restore is not None:
+                restore(layer, info)
+                info.reset()  # type: ignore[no-untyped-call, unused-ignore]
+        try:
+            finalize_layerwise_reload(model, self._target.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+        except BaseException:
+            _reload.restore_unfinished(model)
+            raise
+        # Whatever was written stays: layers sharing it must not serve older copies.
+        _reload.refresh(shared, strict=False)
