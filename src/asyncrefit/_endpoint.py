@@ -151,9 +151,11 @@ class Endpoint(Generic[AbortReply]):
         self.state = VersionState()
         self._importers: dict[str, Importer] = dict(importers or {})
         self._importer_factory = importer_factory or make_importer
-        # Valid handles, by value: their reach and payload bytes (this push, the last).
-        self._valid: dict[Handle, tuple[int, int]] = {}
-        self._valid_before: dict[Handle, tuple[int, int]] = {}
+        # Valid handles, by value: their reach, payload bytes and the first equal handle
+        # seen (this push, the last). The sink is given that first one, so its own
+        # lookups by handle find their key by identity, not by comparing entries.
+        self._valid: dict[Handle, tuple[int, int, Handle]] = {}
+        self._valid_before: dict[Handle, tuple[int, int, Handle]] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} device={self.device} {self.state}>"
@@ -182,8 +184,7 @@ class Endpoint(Generic[AbortReply]):
         start = time.perf_counter()
         self.state.check_loading(version)
         self.sink.receiving(bucket)
-        handle = self.own_handle(handles)
-        end, nbytes = self._validate(handle)
+        end, nbytes, handle = self._validate(self.own_handle(handles))
         self.sink.opening(handle)
         importer = self._importer(handle.kind)
         buffer = importer.open(handle)
@@ -273,15 +274,19 @@ class Endpoint(Generic[AbortReply]):
         offered = ", ".join(str(h.device) for h in handles) or "none"
         raise TransportError(f"no handle for device {self.device} (offered: {offered})")
 
-    def _validate(self, handle: Handle) -> tuple[int, int]:
-        """Check ``handle`` against the declared specs (once): its reach and payload."""
+    def _validate(self, handle: Handle) -> tuple[int, int, Handle]:
+        """Check ``handle`` against the declared specs (once).
+
+        Returns its reach, its payload bytes and the first handle equal to it that
+        was seen (the one to hand on).
+        """
         known = self._valid.get(handle)
         if known is None:
             known = self._valid_before.get(handle)
             if known is None:
                 self.sink.declared().check(handle)
-                known = (reach(handle), sum(e.nbytes for e in handle.entries))
-            self._valid[handle] = known
+                known = (reach(handle), sum(e.nbytes for e in handle.entries), handle)
+            self._valid[known[2]] = known
         return known
 
     def _importer(self, kind: str) -> Importer:

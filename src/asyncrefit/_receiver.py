@@ -47,14 +47,20 @@ class _Prepared:
     """A handle's copies out of an opened buffer: (parameter, view of the buffer) pairs.
 
     Reused while the handle's importer returns the very same buffer for it.
-    ``epoch`` is the last push (``begin``) that used it.
+    ``epoch`` is the last push (``begin``) that used it. It holds its ``handle``, so
+    the handle's ``id`` (its key) names no other object while it lives.
     """
 
-    __slots__ = ("buffer", "copies", "epoch", "params")
+    __slots__ = ("buffer", "copies", "epoch", "handle", "params")
 
     def __init__(
-        self, buffer: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]], epoch: int
+        self,
+        handle: Handle,
+        buffer: torch.Tensor,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        epoch: int,
     ) -> None:
+        self.handle = handle
         self.buffer = buffer
         self.copies = copies  # (parameter, view of the buffer), in entry order
         self.params = [dst for dst, _ in copies]
@@ -89,7 +95,9 @@ class ParameterSink:
                 for name, t in self.parameters.items()
             }
         )
-        self._prepared: dict[Handle, _Prepared] = {}
+        # By id() of the handle the endpoint hands on (the first of equal handles it
+        # saw): a lookup hashes an int, not the handle's entries.
+        self._prepared: dict[int, _Prepared] = {}
         self._epoch = 0
 
     def __repr__(self) -> str:
@@ -105,7 +113,7 @@ class ParameterSink:
         pass  # a parameter takes a bucket at any time
 
     def opening(self, handle: Handle) -> None:
-        if handle not in self._prepared:
+        if self._cached(handle) is None:
             self._forget_views(older=True)
 
     def write(
@@ -118,7 +126,7 @@ class ParameterSink:
     ) -> bytes:
         import torch
 
-        prepared = self._prepared.get(handle)
+        prepared = self._cached(handle)
         if prepared is None or prepared.buffer is not buffer:
             prepared = self._prepare(handle, buffer)
         prepared.epoch = self._epoch
@@ -158,13 +166,17 @@ class ParameterSink:
             )
             for e in handle.entries
         ]
-        prepared = _Prepared(buffer, copies, self._epoch)
-        old = self._prepared.pop(handle, None)
+        prepared = _Prepared(handle, buffer, copies, self._epoch)
+        old = self._prepared.pop(id(handle), None)
         del old  # its views of a buffer the importer no longer returns
         viewed = {id(p.buffer) for p in self._prepared.values()}
         if id(buffer) in viewed or len(viewed) < MAX_VIEWED_BUFFERS:
-            self._prepared[handle] = prepared
+            self._prepared[id(handle)] = prepared
         return prepared
+
+    def _cached(self, handle: Handle) -> _Prepared | None:
+        prepared = self._prepared.get(id(handle))
+        return prepared if prepared is not None and prepared.handle is handle else None
 
     def _forget_views(self, *, older: bool) -> None:
         """Drop the views of earlier pushes (``older``) or all of them."""
