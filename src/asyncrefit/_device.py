@@ -6,9 +6,11 @@ import socket
 from dataclasses import dataclass
 from functools import cache
 
+from ._pickling import FastPickle
+
 
 @dataclass(frozen=True, slots=True, kw_only=True, order=True)
-class DeviceId:
+class DeviceId(FastPickle):
     """A device, named by the node it is on and its id on that node.
 
     A handle opened on one device is valid only for consumers on the same

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from ._device import DeviceId
+from ._pickling import FastPickle
 from ._plan import ParamSpec
 from .transport._base import Handle
 
@@ -36,7 +37,7 @@ class BeginUpdate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LoadBucket:
+class LoadBucket(FastPickle):
     """Copy bucket ``bucket`` of ``version`` from the handle for the worker's device.
 
     ``handles`` holds exactly one handle when dispatch is filtered; the
@@ -118,7 +119,7 @@ class SpecsReply:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BucketAck:
+class BucketAck(FastPickle):
     """The worker copied ``nbytes`` of ``bucket`` and dropped its views.
 
     ``copied`` is empty when the copies are complete; for an ``ordered`` handle it may

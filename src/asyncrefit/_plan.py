@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ._dtypes import dtype_itemsize as dtype_itemsize
 from ._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
+from ._pickling import FastPickle
 
 #: Default alignment of every tensor inside a bucket, in bytes.
 DEFAULT_ALIGNMENT = 256
@@ -38,7 +39,7 @@ class ParamSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TensorEntry:
+class TensorEntry(FastPickle):
     """Where one tensor lives inside a bucket."""
 
     name: str

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 from .._device import DeviceId
 from .._dtypes import dtype_name as dtype_name
 from .._dtypes import torch_dtype as torch_dtype
+from .._pickling import FastPickle
 from .._plan import TensorEntry
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Handle:
+class Handle(FastPickle):
     """A small record naming one exported bucket buffer on one device.
 
     Subclasses add what their transport needs to open the buffer (a shared-memory
