@@ -55,6 +55,7 @@ import cProfile
 import functools
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -297,6 +298,7 @@ async def _measure(
         )
         walls: list[float] = []
         cpus: list[float] = []
+        worker_cpus: list[float] = []  # local: the worker processes' CPU over a push
         copies: list[float] = []
         loads: list[float] = []
         handle_bytes = 0
@@ -307,6 +309,7 @@ async def _measure(
             copies.append(replay.run(loads=inprocess)[0])
             for w in workers if inprocess else ():
                 w.load_seconds = 0.0
+            w0 = _workers_cpu(workers) if not inprocess else 0.0
             c, t = time.process_time(), time.perf_counter()
             if profiler is not None:
                 profiler.enable()
@@ -315,6 +318,8 @@ async def _measure(
                 profiler.disable()
             walls.append(time.perf_counter() - t)
             cpus.append(time.process_time() - c)
+            if not inprocess:
+                worker_cpus.append(_workers_cpu(workers) - w0)
             if inprocess:
                 loads.append(sum(w.load_seconds for w in workers))
             handle_bytes = report.handle_bytes_per_worker[workers[0].name]
@@ -340,6 +345,8 @@ async def _measure(
     }
     if inprocess:
         result["load_us_per_worker_bucket"] = statistics.median(loads) / (n * b) * 1e6
+    else:
+        result["workers_cpu_seconds"] = statistics.median(worker_cpus)
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.profile)
@@ -405,7 +412,7 @@ def format_table(result: dict[str, Any], command: str) -> str:
         "",
         f"{'workers':<22}{'bucket':>9}{'MiB out':>9}{'push ms':>9}{'ms/bucket':>10}"
         f"{'x limit':>8}{'limit ms':>9}{'CPU ms':>8}{'copy ms':>8}{'coord us/w/b':>13}"
-        f"{'load us/w/b':>12}{'handle B/w':>11}",
+        f"{'load us/w/b':>12}{'handle B/w':>11}{'workers CPU ms':>15}",
     ]
     for r in result["rows"]:
         limit = r["memcpy_limit_seconds"]
@@ -419,6 +426,11 @@ def format_table(result: dict[str, Any], command: str) -> str:
             f"{r['coordinator_us_per_worker_bucket']:>13.1f}"
             f"{(f'{load:.1f}' if load is not None else '-'):>12}"
             f"{r['handle_bytes_per_worker']:>11,}"
+            + (
+                f"{r['workers_cpu_seconds'] * 1e3:>15.0f}"
+                if "workers_cpu_seconds" in r
+                else f"{'-':>15}"
+            )
         )
     lines.append("")
     lines.append(
@@ -427,9 +439,24 @@ def format_table(result: dict[str, Any], command: str) -> str:
     )
     lines.append(
         "CPU: coordinator process CPU per push; copy: the replayed copies subtracted "
-        "(in-process: pack + loads; local: pack); limit: the replay of every copy, one thread"
+        "(in-process: pack + loads; local: pack); limit: the replay of every copy, one thread;"
+    )
+    lines.append(
+        "workers CPU: the local worker processes' CPU over a push, all together (/proc, "
+        "10 ms ticks)"
     )
     return f"`{command}`\n\n```\n" + "\n".join(lines) + "\n```\n"
+
+
+def _workers_cpu(workers: Sequence[Any]) -> float:
+    """CPU seconds (user + system) the worker processes used so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for w in workers:
+        with open(f"/proc/{w.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
 
 
 def _size(n: int) -> str:
