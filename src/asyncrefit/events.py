@@ -135,7 +135,8 @@ class EventStream:
 
     Holds at most ``maxlen`` events; when full, the oldest is dropped and
     :attr:`dropped` counts it. Iteration ends when the subscription closes (its
-    ``async with`` block ends, or the hub closes with the coordinator).
+    ``async with`` block ends, or the hub closes with the coordinator). One task
+    iterates a stream; each consumer opens its own.
     """
 
     def __init__(self, maxlen: int) -> None:
