@@ -119,6 +119,39 @@ async def test_local_trainer_refuses_to_export_before_prepare() -> None:
     assert own_segments() == []
 
 
+async def test_a_source_hands_out_the_same_handle_object_while_it_is_unchanged() -> None:
+    """Workers recognise a handle they met by identity: a source hands the same object
+    out for a slot while the handle's value is unchanged (the weights may change), and
+    a new one as soon as anything it says changes (a checksum, the slots)."""
+    model = make_mlp()
+    devices = [cpu_device(0), cpu_device(1)]
+    for checksum in (False, True):
+        trainer = LocalTrainer(model)
+        plan = plan_buckets(trainer.specs(), 64 * KIB)
+        await trainer.prepare(plan, 2, plan.max_bucket_bytes, checksum=checksum)
+        try:
+            bucket = plan.buckets[0]
+            first = await trainer.export(bucket, 0, devices)
+            assert [h.device for h in first] == devices
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)  # a training step
+            again = await trainer.export(bucket, 0, devices)
+            assert again == first or checksum  # equal unless the checksum changed
+            if checksum:
+                pairs = zip(again, first, strict=True)
+                assert all(a is not b and a.checksum != b.checksum for a, b in pairs)
+            else:
+                assert all(a is b for a, b in zip(again, first, strict=True))
+            other = await trainer.export(bucket, 1, devices)  # another slot: its own
+            assert all(o is not a and o != a for o, a in zip(other, again, strict=True))
+            await trainer.prepare(plan, 2, 2 * plan.max_bucket_bytes, checksum=checksum)
+            fresh = await trainer.export(bucket, 0, devices)  # new slots: new handles
+            assert all(f is not a and f != a for f, a in zip(fresh, again, strict=True))
+        finally:
+            await trainer.aclose()
+    assert own_segments() == []
+
+
 async def test_shared_trainer_rejects_a_changed_parameter() -> None:
     # a parameter set change between plan and export is a typed error, not garbage
     model = make_mlp()

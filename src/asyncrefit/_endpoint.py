@@ -156,6 +156,12 @@ class Endpoint(Generic[AbortReply]):
         # lookups by handle find their key by identity, not by comparing entries.
         self._valid: dict[Handle, tuple[int, int, Handle]] = {}
         self._valid_before: dict[Handle, tuple[int, int, Handle]] = {}
+        # The same, by the identity of the handle objects met (a source that hands out
+        # the same handle object for a slot at every push, a link that hands on the
+        # handle it decoded once): no hashing. An entry holds its object, so its id
+        # is not reused while it is here.
+        self._seen: dict[int, tuple[Handle, tuple[int, int, Handle]]] = {}
+        self._seen_before: dict[int, tuple[Handle, tuple[int, int, Handle]]] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} device={self.device} {self.state}>"
@@ -174,6 +180,7 @@ class Endpoint(Generic[AbortReply]):
         self.sink.begin(version)
         self.state.begin(version)
         self._valid_before, self._valid = self._valid, {}
+        self._seen_before, self._seen = self._seen, {}
 
     def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         """Validate the handle for this device, open it and have the sink write it.
@@ -280,14 +287,22 @@ class Endpoint(Generic[AbortReply]):
         Returns its reach, its payload bytes and the first handle equal to it that
         was seen (the one to hand on).
         """
-        known = self._valid.get(handle)
-        if known is None:
-            known = self._valid_before.get(handle)
+        key = id(handle)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] is handle:
+            return seen[1]
+        seen = self._seen_before.get(key)
+        if seen is None or seen[0] is not handle:
+            known = self._valid.get(handle)
             if known is None:
-                self.sink.declared().check(handle)
-                known = (reach(handle), sum(e.nbytes for e in handle.entries), handle)
-            self._valid[known[2]] = known
-        return known
+                known = self._valid_before.get(handle)
+                if known is None:
+                    self.sink.declared().check(handle)
+                    known = (reach(handle), sum(e.nbytes for e in handle.entries), handle)
+                self._valid[known[2]] = known
+            seen = (handle, known)
+        self._seen[key] = seen
+        return seen[1]
 
     def _importer(self, kind: str) -> Importer:
         importer = self._importers.get(kind)

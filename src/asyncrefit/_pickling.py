@@ -17,10 +17,16 @@ from typing import Any
 _NAMES: dict[type, tuple[str, ...]] = {}
 
 
+_CACHES: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
 def _names(cls: type) -> tuple[str, ...]:
     names = _NAMES.get(cls)
     if names is None:
-        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
+        # A field that is not compared (a cached hash) is this process's own: it is
+        # not pickled, and starts again from its default in the process that unpickles.
+        names = _NAMES[cls] = tuple(f.name for f in fields(cls) if f.compare)
+        _CACHES[cls] = tuple((f.name, f.default) for f in fields(cls) if not f.compare)
     return names
 
 
@@ -28,6 +34,8 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
     obj: Any = object.__new__(cls)
     for name, value in zip(_names(cls), values, strict=True):
         object.__setattr__(obj, name, value)
+    for name, default in _CACHES[cls]:
+        object.__setattr__(obj, name, default)
     return obj
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._dtypes import dtype_itemsize as dtype_itemsize
 from ._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
@@ -47,6 +47,16 @@ class TensorEntry(FastPickle):
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+    # Entries are hashed whenever a handle is looked up by value (a worker validates a
+    # handle once, a link finds the reference it sent it under): the hash is kept.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if not h:
+            h = hash((self.name, self.offset, self.nbytes, self.shape, self.dtype)) or 1
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

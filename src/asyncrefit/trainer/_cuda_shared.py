@@ -140,8 +140,11 @@ class CudaSharedParameterTrainer(_SlabSource[_Slab]):
                 )
         crc = await self._refresh_in_thread(bucket)
         slab = self._slabs[bucket.index]
-        return tuple(
-            CudaIpcHandle(
+        return self._handles_for(
+            bucket.index,
+            bucket,
+            devices,
+            lambda d: CudaIpcHandle(
                 device=d,
                 bucket=bucket.index,
                 nbytes=bucket.nbytes,
@@ -157,14 +160,14 @@ class CudaSharedParameterTrainer(_SlabSource[_Slab]):
                 storage_bytes=slab.storage_bytes,
                 storage_offset=slab.storage_offset,
                 event_handle=slab.event_handle,
-            )
-            for d in devices
+            ),
         )
 
     def _drop(self) -> None:
         import torch
 
         slabs, self._slabs = self._slabs, {}
+        self._handles.clear()
         self._laid_out = None
         if slabs:
             torch.cuda.current_stream(self._index).synchronize()

@@ -78,7 +78,36 @@ class _SourceBase:
         # thread touches the buffers holds the lock: a close, in a thread of its own that
         # a cancellation cannot stop, waits there for a pack still running.
         self._limiter = anyio.CapacityLimiter(1)
+        # (slot, bucket index, device) -> the handle handed out last.
+        self._handles: dict[tuple[int, int, DeviceId], Handle] = {}
         self._buffer_lock = threading.Lock()
+
+    def _handles_for(
+        self,
+        slot: int,
+        bucket: Bucket,
+        devices: Sequence[DeviceId],
+        make: Callable[[DeviceId], Handle],
+    ) -> tuple[Handle, ...]:
+        """The handles for ``bucket`` in ``slot``, one per device, made by ``make``;
+        where one equals the handle handed out for the same slot, bucket and device at
+        the last push, that same object is handed out again.
+
+        Workers and links recognise a handle they met before by identity, without
+        hashing or validating it again (see :class:`~asyncrefit._endpoint.Endpoint`).
+        """
+        out: list[Handle] = []
+        memo = self._handles
+        for device in devices:
+            handle = make(device)
+            key = (slot, bucket.index, device)
+            known = memo.get(key)
+            if known is not None and known == handle:
+                handle = known
+            else:
+                memo[key] = handle
+            out.append(handle)
+        return tuple(out)
 
     @property
     def name(self) -> str:
@@ -227,6 +256,10 @@ class _InProcessSource(_SourceBase):
         return tensor
 
 
+def _with_checksum(handle: Handle, crc: int | None) -> Handle:
+    return handle if crc is None else replace(handle, checksum=crc)
+
+
 class _SlotSource(_SourceBase):
     """A source that packs each bucket into a reusable slot of an exporter.
 
@@ -262,6 +295,7 @@ class _SlotSource(_SourceBase):
     def _allocate(self, slots: int, slot_bytes: int) -> None:
         with self._buffer_lock:
             self._views.clear()
+            self._handles.clear()
             self._exporter.allocate(slots, slot_bytes)
 
     def _entry_views(
@@ -279,6 +313,7 @@ class _SlotSource(_SourceBase):
 
     def _close_slots(self) -> None:
         self._views.clear()  # the views would keep the slots' memory alive
+        self._handles.clear()
         self._exporter.close()
 
     def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -328,7 +363,13 @@ class _SlotSource(_SourceBase):
         crc = await anyio.to_thread.run_sync(self._pack, bucket, slot, limiter=self._limiter)
         if not self._prepared:  # closed meanwhile: the slot may be gone already
             raise ClosedError(f"trainer source {self._name!r} was closed")
-        return tuple(replace(self._exporter.handle(slot, bucket, d), checksum=crc) for d in devices)
+        exporter = self._exporter
+        return self._handles_for(
+            slot,
+            bucket,
+            devices,
+            lambda d: _with_checksum(exporter.handle(slot, bucket, d), crc),
+        )
 
     async def aclose(self) -> None:
         """Free the buffers: off the event loop, after a pack still running.

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._plan import Bucket
-    from ..transport.shm import ShmHandle, _Segment
+    from ..transport.shm import _Segment
 
 
 class SharedParameterTrainer(_SlabSource["_Segment"]):
@@ -96,21 +96,23 @@ class SharedParameterTrainer(_SlabSource["_Segment"]):
         self._check_prepared(bucket)
         crc = await self._refresh_in_thread(bucket)
         segment = self._slabs[bucket.index].name
-        handles: tuple[ShmHandle, ...] = tuple(
-            ShmHandle(
+        return self._handles_for(
+            bucket.index,
+            bucket,
+            devices,
+            lambda d: ShmHandle(
                 device=d,
                 bucket=bucket.index,
                 nbytes=bucket.nbytes,
                 entries=bucket.entries,
                 segment=segment,
                 checksum=crc,
-            )
-            for d in devices
+            ),
         )
-        return handles
 
     def _unlink(self) -> None:
         segments, self._slabs = self._slabs, {}
+        self._handles.clear()
         self._laid_out = None
         for seg in segments.values():
             _unlink_segment(seg)
