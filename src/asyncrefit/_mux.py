@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 
 from ._channel import FrameChannel
-from ._messages import decode, encode
+from ._messages import decode
+from ._refs import RefEncoder
 
 #: The channel failures that mean the peer is gone (or the channel was closed).
 CHANNEL_ERRORS: tuple[type[BaseException], ...] = (
@@ -52,6 +53,9 @@ class RequestChannel:
     usable: its reply is recognised by id and dropped when it comes. The send is
     shielded (a frame is never cut in half) and bounded by ``send_timeout``.
 
+    Handles go by reference (see :mod:`asyncrefit._refs`): the peer must turn what it
+    receives back with a :class:`~asyncrefit._refs.RefDecoder` of its own.
+
     Error handling: once the channel fails (end of stream, a broken socket, a send
     that timed out, :meth:`aclose`), every waiting and later call raises
     :class:`ChannelFailedError` with the first failure as ``cause``.
@@ -61,6 +65,7 @@ class RequestChannel:
         self._channel = channel
         self._send_timeout = send_timeout
         self._send_lock = anyio.Lock()
+        self._refs = RefEncoder()
         self._next_id = 0
         self._waiting: set[int] = set()
         self._replies: dict[int, Any] = {}
@@ -98,10 +103,10 @@ class RequestChannel:
             async with self._send_lock:
                 if self._failed is not None:
                     raise ChannelFailedError(self._failed)
+                # Encoded under the lock: the reference table sees the wire's order.
+                payload = self._refs.encode(request_id, request)
                 try:
-                    await self._channel.send(
-                        encode((request_id, request)), within=self._send_timeout
-                    )
+                    await self._channel.send(payload, within=self._send_timeout)
                 except _SEND_ERRORS as exc:
                     raise self._fail(exc) from None
             return await self._reply(request_id)

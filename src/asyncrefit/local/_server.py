@@ -32,10 +32,10 @@ from .._messages import (
     ReportDevice,
     Request,
     Shutdown,
-    decode,
     encode,
 )
 from .._receiver import ParameterReceiver
+from .._refs import RefDecoder, UnknownHandleError
 from ._faults import WorkerFaults
 
 if TYPE_CHECKING:
@@ -69,12 +69,18 @@ class WorkerServer:
 
     async def serve(self, path: str) -> None:
         channel = connect_unix(path)
+        refs = RefDecoder()  # this connection's handles by reference
         try:
             while True:
                 try:
                     data = await channel.receive()
-                    request_id, request = decode(data)
-                    reply = await self.handle(request)
+                    try:
+                        request_id, request = refs.decode(data)
+                    except UnknownHandleError as exc:
+                        request_id, request = exc.request_id, None
+                        reply: Reply = error_reply(exc)
+                    else:
+                        reply = await self.handle(request)
                     await channel.send(encode((request_id, reply)), within=_SEND_TIMEOUT)
                 except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError):
                     return  # the coordinator is gone
