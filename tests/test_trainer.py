@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncrefit import (
+    BudgetTooSmallError,
     ClosedError,
     DeviceId,
     LocalTrainer,
@@ -72,6 +73,26 @@ async def test_shared_parameters_push_without_packing_and_train_in_place() -> No
     # the parameters outlive the segment names and stay trainable
     adam_step(model, opt)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+async def test_a_zero_copy_push_has_every_bucket_in_flight_whatever_the_budget() -> None:
+    """Slabs stage nothing: the budget bounds no memory, so it neither refuses a bucket
+    larger than itself nor holds buckets back; a staging source beside it still does."""
+    model = make_mlp()
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    trainer = SharedParameterTrainer(model)
+    async with RefitCoordinator(
+        trainer=trainer, workers=workers, budget_bytes=1 * KIB, bucket_bytes=4 * KIB
+    ) as refit:
+        report = await refit.push(1)
+        assert report.buckets > 2 and report.slots == report.buckets
+        assert all(w.equals(model) for w in workers)
+    assert own_segments() == []
+    with pytest.raises(BudgetTooSmallError):
+        async with RefitCoordinator(
+            trainer=LocalTrainer(model), workers=workers, budget_bytes=1 * KIB, bucket_bytes=4 * KIB
+        ):
+            pass
 
 
 async def test_replaced_parameter_is_copied_back_into_place() -> None:

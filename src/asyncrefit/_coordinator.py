@@ -128,6 +128,10 @@ class RefitCoordinator:
     flight times the slot size never exceed it. ``bucket_bytes`` (default: half the
     budget, so two buckets alternate; never more than the budget) bounds a bucket; a
     tensor larger than that gets a bucket of its own, and the budget must still hold it.
+    Zero-copy sources (:class:`SharedParameterTrainer`, ``CudaSharedParameterTrainer``)
+    stage nothing: when every source is one, the budget bounds no memory and every
+    bucket of a push is in flight at once (each is still freed for reuse only after
+    every worker acknowledged it).
 
     Entering the context discovers every worker's device (awaiting its
     ``report_device_id_async``, which runs on that worker's own loop), plans the

@@ -32,8 +32,9 @@ class RefitReport:
     all of it. ``handle_bytes_per_worker`` counts the serialized bytes of the handles
     each worker was sent, each load's in full (a link that sends a handle it sent before
     by reference, as the local backend does, puts fewer on the wire): with filtered
-    dispatch it does not grow with the number of workers or devices. ``bytes_per_transport`` counts payload delivered per transport
-    kind (``"shm"``, ``"cuda_ipc"``, ...), summed over workers.
+    dispatch it does not grow with the number of workers or devices.
+    ``bytes_per_transport`` counts payload delivered per transport kind (``"shm"``,
+    ``"cuda_ipc"``, ...), summed over workers.
     """
 
     version: int

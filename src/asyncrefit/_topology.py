@@ -125,8 +125,8 @@ def plan_topology(
 
     The plan is in the workers' dtypes (:func:`wire_specs`): a trainer holding fp32
     master weights packs them cast to a bf16 engine's dtype. Raises :class:`PlanError`
-    (sources disagree, budget too small, a worker's parameters do not match or cannot
-    be cast to) or :class:`UnknownDeviceError`; pure.
+    (sources disagree, budget too small for a source that stages, a worker's
+    parameters do not match or cannot be cast to) or :class:`UnknownDeviceError`; pure.
     """
     members = list(members)
     if not infos:
@@ -139,7 +139,8 @@ def plan_topology(
             )
     plan = plan_buckets(wire_specs(specs, members), bucket_bytes, alignment=alignment)
     slot_bytes = max(1, plan.max_bucket_bytes)
-    if slot_bytes > budget_bytes:
+    staged = any(info.stages for info in infos)
+    if staged and slot_bytes > budget_bytes:
         largest = max(plan.buckets, key=lambda b: b.nbytes)
         what = (
             f"parameter {largest.entries[0].name!r}"
@@ -150,7 +151,11 @@ def plan_topology(
     topology = Topology(
         infos=tuple(infos),
         plan=plan,
-        slots=max(1, min(budget_bytes // slot_bytes, len(plan.buckets))),
+        # Without staging (zero-copy sources only) the budget bounds no memory: every
+        # bucket may be in flight.
+        slots=max(
+            1, min(budget_bytes // slot_bytes if staged else len(plan.buckets), len(plan.buckets))
+        ),
         slot_bytes=slot_bytes,
         routes=MappingProxyType({}),
     )

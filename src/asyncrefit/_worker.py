@@ -65,6 +65,11 @@ class SourceInfo:
     every bucket, in plan order, whether or not it serves a worker, and lets a bucket's
     exports on all such sources finish once they began (a rank left out of a gather
     would leave the others waiting).
+
+    ``stages`` is ``False`` for a source whose buckets are its parameters' own memory
+    (zero-copy slabs): it packs nothing into staging slots, so when no source of a
+    coordinator stages, the staging budget bounds nothing and every bucket of a push
+    may be in flight at once.
     """
 
     name: str
@@ -73,6 +78,7 @@ class SourceInfo:
     specs: tuple[ParamSpec, ...]
     remote: frozenset[DeviceId] | None = frozenset()
     gathers: bool = False
+    stages: bool = True
 
     def serves(self, device: DeviceId) -> bool:
         if self.remote is None or device in self.remote:

@@ -59,6 +59,8 @@ class _SourceBase:
 
     #: Whether packing takes part in collectives with other ranks (see SourceInfo).
     _gathers = False
+    #: Whether buckets are packed into staging slots (see SourceInfo).
+    _stages = True
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class _SourceBase:
             devices=self._devices,
             specs=specs,
             gathers=self._gathers,
+            stages=self._stages,
         )
 
     async def _close_in_thread(self, close: Callable[[], None]) -> None:
@@ -380,6 +383,23 @@ class _SlotSource(_SourceBase):
         await self._close_in_thread(self._close_slots)
 
 
+#: On a GPU, a bucket whose tensors average at least this many bytes is packed one
+#: copy per tensor: each is then a device-to-device copy at memcpy's rate, where
+#: ``torch._foreach_copy_`` (one kernel over many tensors) moved the Llama-2-7B set
+#: (291 bf16 tensors, 13.48 GB) in 9.4 ms against 7.2 ms on an H200. Below it the
+#: host's launch per tensor costs more than the bytes, and one call packs them all.
+PER_TENSOR_PACK_BYTES = 1 << 20
+
+
+def _one_call(buffer: torch.Tensor, bucket: Bucket) -> bool:
+    """Whether to pack ``bucket`` into ``buffer`` with one ``_foreach_copy_``."""
+    if not bucket.entries:
+        return False
+    if buffer.device.type == "cpu":
+        return True
+    return bucket.payload_bytes < PER_TENSOR_PACK_BYTES * len(bucket.entries)
+
+
 _EntryViews: TypeAlias = "tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]"
 
 
@@ -440,7 +460,7 @@ class LocalTrainer(_InProcessSource, _SlotSource):
         for e in bucket.entries:
             with self._packing(bucket.index, e):
                 sources.append(self._tensor(tensors, bucket.index, e))
-        if type(self)._copy_into is LocalTrainer._copy_into and sources:
+        if type(self)._copy_into is LocalTrainer._copy_into and _one_call(buffer, bucket):
             # One call for the bucket's copies (and casts): the host's cost per tensor,
             # not the bytes, bounds a GPU pack of many small tensors.
             try:

@@ -143,6 +143,8 @@ class _SlabSource(_InProcessSource, Generic[_S]):
 
     #: What the slabs are called in errors.
     _noun: ClassVar[str] = "slabs"
+    #: The slabs are the parameters' memory: nothing is staged (see SourceInfo).
+    _stages = False
 
     def __init__(
         self,
@@ -250,8 +252,38 @@ class _SlabSource(_InProcessSource, Generic[_S]):
             raise ClosedError(f"trainer source {self._name!r} has no {self._noun} (not prepared)")
 
     async def _refresh_in_thread(self, bucket: Bucket) -> int | None:
-        """Refresh ``bucket``'s slab off the event loop; its checksum if asked for."""
+        """Refresh ``bucket``'s slab off the event loop; its checksum if asked for.
+
+        Where nothing is to copy (no parameter of the bucket moved, no checksum asked
+        for) the refresh is a check of addresses, done here without a thread's hand-off,
+        which cost more than the check (see :meth:`_refresh_unmoved`).
+        """
+        if self._refresh_unmoved(bucket):
+            await anyio.lowlevel.checkpoint()
+            return None
         return await anyio.to_thread.run_sync(self._refresh, bucket, limiter=self._limiter)
+
+    def _refresh_unmoved(self, bucket: Bucket) -> bool:
+        """The refresh of ``bucket`` on the calling thread, if it writes nothing: every
+        parameter is where it was placed and no checksum is asked for. Returns whether
+        it was done; ``False`` (nothing done) also while a pack or close holds the
+        buffers, or after a close: the thread's path then waits, or raises."""
+        if self._checksum or not self._buffer_lock.acquire(blocking=False):
+            return False
+        try:
+            slab = self._slabs.get(bucket.index)
+            if slab is None or self._base(slab) is None:
+                return False
+            tensors = self._read()
+            addresses = self._addresses
+            for e in bucket.entries:
+                pointer = self._tensor(tensors, bucket.index, e).data_ptr()
+                if refresh_action(e, pointer, addresses.get(e.name)) is not Refresh.KEEP:
+                    return False
+            self._refreshed(slab)
+            return True
+        finally:
+            self._buffer_lock.release()
 
     def _refresh(self, bucket: Bucket) -> int | None:
         with self._buffer_lock:
