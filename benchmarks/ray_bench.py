@@ -13,8 +13,9 @@ actor's parameters bitwise, then times ``--repeats`` pushes. The variants:
   bucket (``refit_load``), each actor sent only its own device's handle;
 - ``per-call broadcast``: the same, every actor sent the handles of all N devices (the
   behaviour before filtering);
-- ``stream filtered``: ``RayWorker()`` (the default), one actor call per worker per
-  push (``refit_stream``), the buckets' handles and acks as frames on a TCP stream.
+- ``stream filtered``: ``RayWorker()`` (the default), one actor call per worker for as
+  long as the coordinator keeps it (``refit_stream``, made by the warm-up push), every
+  push's requests and acks as frames on its TCP stream, handles by reference.
 
 Reported per row: median push time, aggregate payload rate (bytes x N / time), handle
 bytes per worker per push (as the coordinator accounts them), wall time per bucket,

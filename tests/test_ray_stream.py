@@ -1,4 +1,4 @@
-"""The Ray backend's streaming path: one actor call per worker per push.
+"""The Ray backend's streaming path: one actor call per worker for all its pushes.
 
 A cluster of one node (``ray.init(num_cpus=2)``) serves the module, with one trainer
 actor and a few inference actors that record the Ray task of every refit call they
@@ -52,7 +52,8 @@ class CountingActor(InferenceActor):
 
     def __init__(self, factory: Callable[[], Any], device: str) -> None:
         super().__init__(factory, device)
-        self.tasks: dict[str, str] = {}
+        self.known: set[str] = set()
+        self.tasks: list[str] = []
         self.slow_bucket: int | None = None
         self.slow_s = 0.0
         self.copying: anyio.Event | None = None
@@ -69,11 +70,14 @@ class CountingActor(InferenceActor):
         receiver.load = load  # type: ignore[method-assign]
 
     def _seen(self, method: str) -> None:
-        self.tasks.setdefault(str(ray.get_runtime_context().get_task_id()), method)
+        task = str(ray.get_runtime_context().get_task_id())
+        if task not in self.known:  # a task is counted once, by its first method
+            self.known.add(task)
+            self.tasks.append(method)
 
-    async def refit_stream(self, version: int, host: str, port: int, token: bytes) -> int:
+    async def refit_stream(self, host: str, port: int, token: bytes) -> int:
         self._seen("refit_stream")
-        return await super().refit_stream(version, host, port, token)
+        return await super().refit_stream(host, port, token)
 
     async def refit_begin(self, version: int) -> None:
         self._seen("refit_begin")
@@ -94,7 +98,7 @@ class CountingActor(InferenceActor):
     async def take_tasks(self) -> list[str]:
         """The method that opened each Ray task seen since the last call, in order."""
         await anyio.lowlevel.checkpoint()
-        seen, self.tasks = list(self.tasks.values()), {}
+        seen, self.tasks = self.tasks, []
         return seen
 
     async def slow(self, bucket: int | None, seconds: float = 0.0) -> None:
@@ -196,7 +200,7 @@ async def test_tcp_listener_and_connect_carry_frames() -> None:
 async def test_a_connection_without_the_token_is_dropped_and_the_actors_is_taken() -> None:
     listener = TcpListener("127.0.0.1")
     ref = _PendingRef()
-    call = StreamCall("w", 1, ref)
+    call = StreamCall("w", ref)
     token = b"t" * 16
     host, port = listener.address
     try:
@@ -207,14 +211,20 @@ async def test_a_connection_without_the_token_is_dropped_and_the_actors_is_taken
             await actor.send(token, within=5)
             with anyio.fail_after(10):
                 await call._accept(listener, token)
-                await call._channel.send(b"begin", within=5)  # type: ignore[union-attr]
-                assert await actor.receive() == b"begin"  # the actor's is the one kept
             with pytest.raises(anyio.EndOfStream):  # dropped, never answered
                 await stranger.receive()
-            # the call's end wakes a request waiting on the stream: typed, not hung
-            ref.result.set_exception(ConnectionError("gone"))
-            with anyio.fail_after(10), pytest.raises(Exception, match="gone"):
-                await call._reply(0)
+
+            async def begin() -> None:
+                # the call's end wakes a request waiting on the stream: typed, not hung
+                with pytest.raises(Exception, match="gone"):
+                    await call.begin(7)
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(begin)
+                    assert await actor.receive()  # the actor's connection is the one kept
+                    ref.result.set_exception(ConnectionError("gone"))
+            assert not call.usable
         finally:
             await stranger.aclose()
             await actor.aclose()
@@ -274,15 +284,17 @@ async def test_actor_calls_per_push_are_constant_in_the_bucket_count(cluster: Cl
                 bucket_bytes=bucket_bytes,
             ) as refit:
                 await refit.push(1)  # warm-up
-                await take_tasks(actors)
+                first = await take_tasks(actors)
                 report = await refit.push(2)
                 calls[stream, report.buckets] = await take_tasks(actors)
                 await assert_hold(workers, trainer, 2)
+                if stream:  # the one call, made by the first push, serves every push
+                    assert first == [["refit_stream"]] * 2
     counts = sorted({b for _, b in calls})
     assert len(counts) == 2 and counts[0] < counts[1], counts
     for buckets in counts:
-        # streaming: one actor call per worker per push, whatever the bucket count
-        assert calls[True, buckets] == [["refit_stream"]] * 2
+        # streaming: no actor call at all after the first push, whatever the bucket count
+        assert calls[True, buckets] == [[]] * 2
         # per call: begin, one per bucket, commit (the counter does count calls; Ray
         # may start an actor's calls in any order)
         want = sorted(["refit_begin", *["refit_load"] * buckets, "refit_commit"])
@@ -327,13 +339,13 @@ async def test_a_load_cancelled_mid_stream_leaves_the_worker_aborted_and_the_nex
         assert refit.statistics().in_use == 0 and not refit.quarantined_slots()
         assert await workers[1].weight_version() is None  # bucket 0 of 2 was written
         assert refit.versions()["w1"] is None
-        # the stream was closed; the abort went by a call of its own
-        assert (await take_tasks([slow]))[0] == ["refit_stream", "refit_abort"]
+        # the abort went on the stream, behind the copy: no call of its own
+        assert (await take_tasks([slow]))[0] == []
         await slow.slow.remote(None)
         await trainer.step.remote(33)
         await refit.push(3)
         await assert_hold(workers, trainer, 3)
-        assert (await take_tasks([slow]))[0] == ["refit_stream"]
+        assert (await take_tasks([slow]))[0] == []  # the same stream serves it
         assert (await slow.info.remote())["warnings"] == []
 
 
@@ -428,3 +440,63 @@ def test_the_stream_connects_to_the_address_ray_reports(cluster: Cluster) -> Non
     assert host == ray.util.get_node_ip_address()
     listener = socket.create_server((host, 0))  # the address can be listened on
     listener.close()
+
+
+@pytest.mark.slow
+async def test_a_stream_lost_between_pushes_is_opened_anew(cluster: Cluster) -> None:
+    trainer = cluster.trainer
+    await trainer.configure.remote(None)
+    actors = cluster.actors[:2]
+    for a in actors:
+        await a.slow.remote(None)
+    await take_tasks(actors)
+    workers = workers_of(actors)
+    async with RefitCoordinator(
+        trainer=RayTrainerSource(trainer), workers=workers, budget_bytes=64 * KIB, timeout=60
+    ) as refit:
+        await trainer.step.remote(51)
+        await refit.push(1)
+        assert await take_tasks(actors) == [["refit_stream"]] * 2
+        # w0's connection fails while nobody uses it, as a network failure would
+        stream = workers[0]._stream
+        assert stream is not None and stream._sock is not None
+        stream._sock.shutdown(socket.SHUT_RDWR)
+        await trainer.step.remote(52)
+        with anyio.fail_after(60):
+            await refit.push(2)
+        await assert_hold(workers, trainer, 2)
+        # w0 got a new stream call; w1 kept its own
+        assert await take_tasks(actors) == [["refit_stream"], []]
+        assert (await actors[0].info.remote())["warnings"] == []
+
+
+@pytest.mark.slow
+async def test_an_actor_killed_between_pushes_is_a_worker_died_error(cluster: Cluster) -> None:
+    trainer = cluster.trainer
+    await trainer.configure.remote(None)
+    victim = (
+        ray.remote(CountingActor)
+        .options(num_cpus=0, scheduling_strategy=on_node(cluster.node))
+        .remote(make_mlp, "cpu:1")
+    )
+    survivor = cluster.actors[0]
+    await survivor.slow.remote(None)
+    workers = [RayWorker(survivor, name="w0"), RayWorker(victim, name="victim")]
+    async with RefitCoordinator(
+        trainer=RayTrainerSource(trainer), workers=workers, budget_bytes=64 * KIB, timeout=60
+    ) as refit:
+        await trainer.step.remote(61)
+        await refit.push(1)
+        await anyio.to_thread.run_sync(ray.kill, victim)
+        started = time.monotonic()
+        with anyio.fail_after(60), pytest.raises(PushError) as err:
+            await refit.push(2)
+        assert time.monotonic() - started < 15
+        assert isinstance(err.value.cause, WorkerDiedError)
+        assert err.value.failed == "victim"
+        assert await workers[0].weight_version() == 1  # given up again, still at 1
+        assert refit.statistics().in_use == 0 and not refit.quarantined_slots()
+        await refit.remove_worker("victim")
+        await trainer.step.remote(62)
+        await refit.push(3)
+        await assert_hold(workers[:1], trainer, 3)

@@ -1,28 +1,31 @@
-"""One actor call per push: a push's per-bucket requests over a TCP stream.
+"""A worker's requests over one TCP stream that lasts as long as its coordinator uses it.
 
-Ray's cost per actor call (~0.7 ms of the caller's CPU) made the per-bucket calls
-(``refit_load``) the driver's main cost: one call per worker per bucket. On the
-streaming path a push costs one actor call per worker:
+Ray's cost per actor call (~0.2-0.7 ms of the caller's CPU) made the per-request calls
+(``refit_load`` per bucket) the driver's main cost. On the streaming path a worker
+costs one actor call for as long as the coordinator keeps it, not one per request
+nor one per push:
 
-1. ``RayWorker.begin_update`` listens on a fresh port of the driver's node IP (the one
-   Ray reports) and submits ``refit_stream(version, host, port, token)``: the call
-   runs on the actor's loop for the whole push. The actor connects and sends the
-   random token first (the driver drops connections that do not); the driver answers
-   :class:`BeginUpdate`, and the actor begins the version and answers
-   :class:`~asyncrefit._messages.Done` (or an :class:`ErrorReply`). An actor never
-   begins for a driver that gave the push up, nor after a newer stream call started.
-2. Each ``load_bucket`` is one :class:`LoadBucket` frame out and one
-   :class:`BucketAck` frame back, in the framing of :mod:`asyncrefit._channel`; the
-   actor takes them one after the other, in the order sent, through its own
-   ``refit_load`` (overrides apply), and answers only after the copy.
-3. ``commit_update`` / ``abort_update`` send :class:`CommitUpdate` /
-   :class:`AbortUpdate`; the actor answers and returns from the call, whose result
-   the driver then awaits.
+1. The first ``RayWorker.begin_update`` listens on a fresh port of the driver's node
+   IP (the one Ray reports) and submits ``refit_stream(host, port, token)``: the call
+   runs on the actor's loop until the driver closes the stream. The actor connects
+   and sends the random token first (the driver drops connections that do not).
+2. From then on every push is requests on the stream, each answered in order: a
+   :class:`BeginUpdate`, a :class:`LoadBucket` per bucket, a :class:`CommitUpdate` or
+   :class:`AbortUpdate`. They travel as on the local link (:mod:`asyncrefit._mux`):
+   ``(request id, request)`` frames, replies matched by id, handles by reference
+   (:mod:`asyncrefit._refs`: after a handle's first push a load is a few bytes). The
+   actor takes them one after the other through its own ``refit_begin`` /
+   ``refit_load`` / ``refit_commit`` / ``refit_abort`` (overrides apply), and answers
+   a load only after the copy.
+3. ``release_handles`` (the coordinator calls it when it removes the worker or
+   closes) closes the stream; the actor's call then returns.
 
-The actor call's end is watched throughout: when its ``ObjectRef`` resolves first
-(the actor died, its node was lost, ``refit_stream`` raised), the driver's socket is
-shut down so a pending read wakes, and the Ray error is translated by
-:func:`~asyncrefit.ray._errors.worker_errors` as for any call.
+The actor call's end is watched throughout: when its ``ObjectRef`` resolves (the
+actor died, its node was lost, ``refit_stream`` raised), the driver's socket is shut
+down so a pending read wakes, and the Ray error is translated by
+:func:`~asyncrefit.ray._errors.worker_errors` as for any call. A stream whose
+connection failed is never reused: the next push opens a new one (and so learns of a
+dead actor from Ray).
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ from .._messages import (
     Done,
     ErrorReply,
     LoadBucket,
-    decode,
     encode,
 )
+from .._mux import ChannelFailedError, RequestChannel
+from .._refs import RefDecoder, UnknownHandleError
 from ._errors import worker_errors
 
 if TYPE_CHECKING:
@@ -87,53 +91,51 @@ def driver_host() -> str:
 
 
 class StreamCall:
-    """The driver's end of one push's stream to one actor.
+    """The driver's end of one actor's stream (one ``refit_stream`` call).
 
     Made by :func:`open_stream`. Requests may be issued concurrently (the coordinator
-    overlaps the loads of consecutive buckets); they are sent one whole frame at a
-    time and the actor answers them in order, so replies are matched to requests by
-    their position.
+    overlaps the loads of consecutive buckets): they go out whole, in the order the
+    callers reached the send, over a :class:`~asyncrefit._mux.RequestChannel`, and
+    replies are matched to them by id. The stream serves push after push.
 
-    Resource handling: owns the connection; :meth:`close` closes it (idempotent).
-    A request cancelled after its frame went out closes the stream, since its reply
-    would never be consumed: the actor then sees the connection end, finishes what it
-    is copying and gives the version up; later requests raise :class:`WorkerError`,
-    and an abort goes by a per-call ``refit_abort`` (answered after that copy).
+    Resource handling: owns the connection; :meth:`close` closes it (idempotent), and
+    the actor's call returns (giving up a version it had begun and not finished). A
+    request cancelled after its frame went out leaves the stream usable: the actor
+    still carries it out, in order, and its reply is dropped; so an abort sent next is
+    answered only after that request (a copy) finished.
 
     Error handling: the connection ending or failing, or the actor call ending
     early, raises the call's Ray error translated (:class:`WorkerDiedError` for a dead
     actor, :class:`WorkerRemoteError` for an error in ``refit_stream``), or, if Ray
     reports nothing within :data:`LOST_GRACE_S`, :class:`WorkerDiedError` (the actor's
-    end closes only after it stopped copying). An error the actor answers a request
-    with is a :class:`WorkerRemoteError` (or its more specific subclass).
+    end closes only after it stopped copying). A send that times out closes the
+    stream and raises :class:`WorkerTimeoutError`. An error the actor answers a
+    request with is a :class:`WorkerRemoteError` (or its more specific subclass).
     """
 
-    def __init__(self, name: str, version: int, ref: Any) -> None:
+    def __init__(self, name: str, ref: Any) -> None:
         self.name = name
-        self.version = version
         self._future: asyncio.Future[Any] = asyncio.wrap_future(ref.future())
         self._ended = anyio.Event()
         self._sock: socket.socket | None = None
-        self._channel: FrameChannel | None = None
+        self._requests: RequestChannel | None = None
         self._broken: str | None = None
         self._loss: anyio.Event | None = None  # set once a loss is understood
-        self._send_lock = anyio.Lock(fast_acquire=True)
-        self._sent = 0
-        self._received = 0
-        self._replies: dict[int, bytes] = {}
-        self._reading = False
-        self._waiting = 0
-        self._arrived = anyio.Event()
         self._future.add_done_callback(self._on_end)
 
     def __repr__(self) -> str:
         state = self._broken or ("ended" if self._ended.is_set() else "open")
-        return f"<StreamCall {self.name!r} version={self.version} {state}>"
+        return f"<StreamCall {self.name!r} {state}>"
 
     @property
     def usable(self) -> bool:
         """Whether requests can still go over the stream."""
-        return self._broken is None and self._channel is not None and not self._channel.closed
+        return (
+            self._broken is None
+            and self._requests is not None
+            and self._requests.failed is None
+            and not self._ended.is_set()
+        )
 
     def _on_end(self, future: asyncio.Future[Any]) -> None:
         # On the loop, when the actor call resolved: wake whoever waits on the stream.
@@ -172,7 +174,7 @@ class StreamCall:
         if self._ended.is_set():
             self._raise_ended()
         raise WorkerDiedError(
-            self.name, "its stream connection closed mid-push and Ray reported nothing"
+            self.name, "its stream connection closed and Ray reported nothing"
         ) from exc
 
     # --- opening --------------------------------------------------------------------
@@ -187,7 +189,8 @@ class StreamCall:
                 try:
                     with anyio.move_on_after(HANDSHAKE_S):
                         if hmac.compare_digest(await channel.receive(), token):
-                            self._sock, self._channel = sock, channel
+                            self._sock = sock
+                            self._requests = RequestChannel(channel, send_timeout=SEND_S)
                             if self._ended.is_set():  # too late for the callback
                                 self._on_end(self._future)
                             tg.cancel_scope.cancel()
@@ -204,68 +207,42 @@ class StreamCall:
             tg.start_soon(accept)
             await self._ended.wait()
             tg.cancel_scope.cancel()
-        if self._channel is None:
+        if self._requests is None:
             self._raise_ended()
 
     # --- requests -------------------------------------------------------------------
 
-    async def _reply(self, seq: int) -> object:
-        """The reply to request ``seq`` (whoever waits reads; replies come in order)."""
-        try:
-            while seq not in self._replies:
-                if self._loss is not None:
-                    await self._lost()
-                if self._broken is not None:
-                    raise WorkerError(self.name, f"the stream was closed: {self._broken}")
-                if self._reading:
-                    self._waiting += 1
-                    try:
-                        await self._arrived.wait()
-                    finally:
-                        self._waiting -= 1
-                    continue
-                channel = self._channel
-                assert channel is not None
-                self._reading = True
-                try:
-                    data = await channel.receive()
-                except _LOST as exc:
-                    await self._lost(exc)
-                finally:
-                    self._reading = False
-                    self._wake()
-                self._replies[self._received] = data
-                self._received += 1
-            return decode(self._replies.pop(seq))
-        except BaseException as exc:
-            if not isinstance(exc, WorkerError):  # cancelled: the reply is never consumed
-                with anyio.CancelScope(shield=True):
-                    await self.close("a request on it was cancelled")
-            raise
-
     async def request(self, message: object) -> object:
         """Send ``message`` and return the actor's reply to it (an error reply raises)."""
-        data = encode(message)
-        async with self._send_lock:
-            if self._loss is not None:
-                await self._lost()
-            if self._broken is not None or self._channel is None:
-                raise WorkerError(self.name, f"the stream was closed: {self._broken}")
-            seq = self._sent
-            try:
-                await self._channel.send(data, within=SEND_S)
-            except TimeoutError:
+        if self._loss is not None:
+            await self._lost()
+        requests = self._requests
+        if self._broken is not None or requests is None:
+            raise WorkerError(self.name, f"the stream was closed: {self._broken}")
+        try:
+            reply = await requests.request(message)
+        except ChannelFailedError as exc:
+            if self._broken is not None and self._loss is None:
+                raise WorkerError(self.name, f"the stream was closed: {self._broken}") from None
+            if isinstance(exc.cause, TimeoutError):
                 await self.close("a send timed out")
                 raise WorkerTimeoutError(
                     self.name, f"sending on its stream did not finish within {SEND_S} s"
                 ) from None
-            except _LOST as exc:
-                await self._lost(exc)
-            self._sent += 1
-        reply = await self._reply(seq)
+            await self._lost(exc.cause)
         if isinstance(reply, ErrorReply):
             raise remote_error(self.name, reply.type, reply.message)
         return reply
+
+    async def _expect_done(self, message: BeginUpdate | CommitUpdate | AbortUpdate) -> None:
+        reply = await self.request(message)
+        if not isinstance(reply, Done):
+            raise WorkerProtocolError(
+                self.name, f"{type(message).__name__} answered {type(reply).__name__}"
+            )
+
+    async def begin(self, version: int) -> None:
+        await self._expect_done(BeginUpdate(version=version))
 
     async def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         reply = await self.request(LoadBucket(version=version, bucket=bucket, handles=handles))
@@ -276,58 +253,35 @@ class StreamCall:
         return reply
 
     async def finish(self, message: CommitUpdate | AbortUpdate) -> None:
-        """Send the push's last request, then await the actor call's end."""
-        try:
-            reply = await self.request(message)
-            if not isinstance(reply, Done):
-                raise WorkerProtocolError(
-                    self.name, f"{type(message).__name__} answered {type(reply).__name__}"
-                )
-            await self._ended.wait()
-            with worker_errors(self.name):
-                self._future.result()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.close("the push ended")
-
-    def _wake(self) -> None:
-        """Wake the requests waiting for another's read."""
-        if self._waiting:
-            arrived, self._arrived = self._arrived, anyio.Event()
-            arrived.set()
+        """Send a push's last request; the stream stays open for the next push."""
+        await self._expect_done(message)
 
     async def close(self, why: str = "closed") -> None:
-        """Close the connection (the actor sees it end). Idempotent."""
+        """Close the connection (the actor sees it end, and its call returns). Idempotent."""
         if self._broken is None:
             self._broken = why
-        self._wake()
-        if self._channel is not None:
-            await self._channel.aclose()
+        if self._requests is not None:
+            await self._requests.aclose()
 
 
-async def open_stream(actor: Any, name: str, version: int, host: str) -> StreamCall:
-    """Begin ``version`` on ``actor`` by one long ``refit_stream`` call; its stream.
+async def open_stream(actor: Any, name: str, host: str) -> StreamCall:
+    """Start ``actor``'s ``refit_stream`` call; its stream, once the actor connected.
 
-    Listens on a fresh port of ``host`` until the actor connected with the token
-    (the listener is closed before this returns), then awaits the actor's answer to
-    the begin. Raises as :class:`StreamCall` does; an error the begin raised in the
-    actor is a :class:`WorkerRemoteError`.
+    Listens on a fresh port of ``host`` until the actor connected with the token (the
+    listener is closed before this returns). Raises as :class:`StreamCall` does.
     """
     listener = TcpListener(host)
     try:
         token = secrets.token_bytes(TOKEN_BYTES)
         bound, port = listener.address
         with worker_errors(name):
-            ref = actor.refit_stream.remote(version, bound, port, token)
-        call = StreamCall(name, version, ref)
+            ref = actor.refit_stream.remote(bound, port, token)
+        call = StreamCall(name, ref)
         try:
             await call._accept(listener, token)
-            reply = await call.request(BeginUpdate(version=version))
-            if not isinstance(reply, Done):
-                raise WorkerProtocolError(name, f"refit_begin answered {type(reply).__name__}")
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await call.close("its begin failed")
+                await call.close("it did not connect")
             raise
         return call
     finally:
@@ -347,27 +301,25 @@ async def _answer(step: Awaitable[object]) -> object:
     return Done() if value is None else value
 
 
-def _encoded(reply: object) -> bytes:
+def _encoded(request_id: int, reply: object) -> bytes:
     try:
-        return encode(reply)
+        return encode((request_id, reply))
     except Exception as exc:  # an override returned something that does not pickle
-        return encode(error_reply(exc))
+        return encode((request_id, error_reply(exc)))
 
 
-async def serve_stream(
-    worker: RefitWorkerMixin, version: int, host: str, port: int, token: bytes
-) -> int:
-    """The actor's end of a push's stream: connect, begin, serve requests in order.
+async def serve_stream(worker: RefitWorkerMixin, host: str, port: int, token: bytes) -> int:
+    """The actor's end of a stream: connect, then serve requests in order until it ends.
 
     Every request goes to ``worker``'s own ``refit_begin`` / ``refit_load`` /
     ``refit_commit`` / ``refit_abort`` and is answered after it returned (a load's
-    answer after the copy, with every view dropped). Returns after answering the
-    commit or abort, or when the driver closed the connection (the version is then
-    given up, unless another push began meanwhile). Returns the requests served.
+    answer after the copy, with every view dropped). Returns the requests served once
+    the driver closed the connection; a version begun and neither committed nor
+    aborted is then given up (unless a newer stream call started meanwhile).
 
-    The begin waits for the driver's :class:`BeginUpdate`, and is refused if a newer
-    stream call started meanwhile (Ray may run an actor's calls in any order): a
-    stream the driver gave up never begins a version over a newer push's.
+    A begin is refused once a newer stream call started (Ray may run an actor's calls
+    in any order): a stream the driver gave up never begins a version over a newer
+    stream's push.
 
     Resource handling: the connection is closed on the way out; nothing is left
     running (each request is awaited before the next is read).
@@ -375,42 +327,48 @@ async def serve_stream(
     epoch = worker._refit_stream_started()
     with anyio.fail_after(CONNECT_S):
         channel = await connect_tcp(host, port)
+    refs = RefDecoder()
+    pending: int | None = None  # a version begun here, not yet committed or aborted
     served = 0
     try:
         try:
             await channel.send(token, within=SEND_S)
-            message = decode(await channel.receive())
-            if not isinstance(message, BeginUpdate) or message.version != version:
-                reply: object = ErrorReply(
-                    type="ProtocolError", message=f"{type(message).__name__} before the begin"
-                )
-            elif not worker._refit_stream_current(epoch):
-                reply = ErrorReply(
-                    type="AsyncRefitError",
-                    message=f"the stream of version {version} was superseded by a newer one",
-                )
-            else:
-                reply = await _answer(worker.refit_begin(version))
-            await channel.send(_encoded(reply), within=SEND_S)
-        except (*_LOST, TimeoutError):  # the driver gave the begin up
-            await worker._refit_stream_lost(version, epoch)
-            return served
-        if isinstance(reply, ErrorReply):
+        except (*_LOST, TimeoutError):
             return served
         while True:
             try:
-                message = decode(await channel.receive())
+                data = await channel.receive()
             except _LOST:
-                await worker._refit_stream_lost(version, epoch)
-                return served
-            last = False
+                break
+            try:
+                request_id, message = refs.decode(data)
+            except UnknownHandleError as exc:
+                request_id, message = exc.request_id, exc
+            reply: object
             match message:
+                case UnknownHandleError():
+                    reply = ErrorReply(type="ProtocolError", message=str(message))
+                case BeginUpdate(version=v):
+                    if not worker._refit_stream_current(epoch):
+                        reply = ErrorReply(
+                            type="AsyncRefitError",
+                            message=f"the stream of this push (version {v}) was superseded "
+                            "by a newer one",
+                        )
+                    else:
+                        reply = await _answer(worker.refit_begin(v))
+                        if not isinstance(reply, ErrorReply):
+                            pending = v
                 case LoadBucket(version=v, bucket=b, handles=h):
                     reply = await _answer(worker.refit_load(v, b, h))
                 case CommitUpdate(version=v, buckets=n):
-                    reply, last = await _answer(worker.refit_commit(v, n)), True
+                    reply = await _answer(worker.refit_commit(v, n))
+                    if not isinstance(reply, ErrorReply) and v == pending:
+                        pending = None
                 case AbortUpdate(version=v):
-                    reply, last = await _answer(worker.refit_abort(v)), True
+                    reply = await _answer(worker.refit_abort(v))
+                    if not isinstance(reply, ErrorReply) and v == pending:
+                        pending = None
                 case _:
                     reply = ErrorReply(
                         type="ProtocolError",
@@ -418,12 +376,12 @@ async def serve_stream(
                     )
             served += 1
             try:
-                await channel.send(_encoded(reply), within=SEND_S)
+                await channel.send(_encoded(request_id, reply), within=SEND_S)
             except (*_LOST, TimeoutError):
-                await worker._refit_stream_lost(version, epoch)
-                return served
-            if last:
-                return served
+                break
+        if pending is not None:  # the driver closed the stream mid-push
+            await worker._refit_stream_lost(pending, epoch)
+        return served
     finally:
         with anyio.CancelScope(shield=True):
             await channel.aclose()

@@ -236,17 +236,17 @@ class RefitWorkerMixin:
         async with lock:
             self.refit_receiver.abort(version)
 
-    async def refit_stream(self, version: int, host: str, port: int, token: bytes) -> int:
-        """One whole push over a stream (what :class:`RayWorker` calls by default).
+    async def refit_stream(self, host: str, port: int, token: bytes) -> int:
+        """Every push of one coordinator over a stream (what :class:`RayWorker` calls).
 
         Connects to the driver at ``(host, port)``, sends ``token``, then serves the
-        push's requests in order through :meth:`refit_begin`, :meth:`refit_load`,
-        :meth:`refit_commit` and :meth:`refit_abort` (overrides of them apply), each
-        answered after it returned. Returns (the number of requests served) after the
-        commit or abort, or when the driver closed the connection: the version is then
-        given up. See :mod:`asyncrefit.ray._stream`.
+        requests of push after push in order through :meth:`refit_begin`,
+        :meth:`refit_load`, :meth:`refit_commit` and :meth:`refit_abort` (overrides of
+        them apply), each answered after it returned. Returns (the number of requests
+        served) when the driver closed the connection; a version begun and not
+        finished is then given up. See :mod:`asyncrefit.ray._stream`.
         """
-        return await serve_stream(self, version, host, port, token)
+        return await serve_stream(self, host, port, token)
 
     def _refit_stream_started(self) -> int:
         """A stream call started: its number (a newer one supersedes it)."""
@@ -316,13 +316,16 @@ class RayWorker:
     reply raises :class:`AwaitableReturnedError` (at discovery, before any byte moves).
     Works on asyncio (uvloop included), where Ray's ``ObjectRef`` can be awaited.
 
-    A push is one actor call (``stream=True``, the default): ``begin_update`` starts
-    the actor's ``refit_stream``, which connects back to this process over TCP (to
-    ``stream_host``, by default the node IP Ray reports here, on a fresh port per
-    push, authenticated by a random token); each bucket is then one small frame each
-    way, and ``commit_update`` / ``abort_update`` end the call. ``stream=False``
-    makes every request its own actor call (``refit_begin``, one ``refit_load`` per
-    bucket, ...), as before: ~0.7 ms of this process's CPU per call.
+    With ``stream=True`` (the default) a worker costs one actor call for as long as a
+    coordinator uses it: the first ``begin_update`` starts the actor's
+    ``refit_stream``, which connects back to this process over TCP (to
+    ``stream_host``, by default the node IP Ray reports here, on a fresh port,
+    authenticated by a random token); every push is then requests on that stream (a
+    begin, one small frame per bucket each way, a commit or abort), with handles sent
+    by reference after their first push. ``release_handles`` closes the stream. A
+    stream whose connection failed is not reused: the next push opens a new one.
+    ``stream=False`` makes every request its own actor call (``refit_begin``, one
+    ``refit_load`` per bucket, ...): ~0.2-0.7 ms of this process's CPU per call.
 
     ``name`` defaults to ``ClassName-<actor id prefix>``. An actor whose class does not
     inherit :class:`RefitWorkerMixin` raises ``TypeError`` here.
@@ -330,10 +333,9 @@ class RayWorker:
     Resource handling: the actor belongs to the caller: nothing here kills it. A call
     that is cancelled stops waiting; the actor finishes that request on its own, and
     answers a later abort only after it. On the stream, a load cancelled after it was
-    sent closes the push's stream (its ack would never be read): the actor gives the
-    version up after the copy it is in, and the abort that follows goes by a
-    ``refit_abort`` call, answered after that copy. A push's stream is closed when it
-    ends, fails, or at ``release_handles``.
+    sent leaves the stream usable: the actor still copies it, in order, and the abort
+    that follows on the stream is answered only after that copy. The stream is closed
+    when its connection fails and at ``release_handles``.
 
     Error handling: the actor dying (``ray.kill``, its process killed, its node lost)
     raises :class:`~asyncrefit.WorkerDiedError` naming it, as soon as Ray reports it
@@ -357,6 +359,7 @@ class RayWorker:
         self._streaming = stream
         self._stream_host = stream_host
         self._stream: StreamCall | None = None
+        self._pushing: int | None = None  # the version begun on the stream
 
     def __repr__(self) -> str:
         mode = "stream" if self._streaming else "per-call"
@@ -402,7 +405,7 @@ class RayWorker:
         return result
 
     async def _drop_stream(self, why: str) -> None:
-        stream, self._stream = self._stream, None
+        stream, self._stream, self._pushing = self._stream, None, None
         if stream is not None:
             with anyio.CancelScope(shield=True):
                 await stream.close(why)
@@ -411,15 +414,30 @@ class RayWorker:
         if not self._streaming:
             await self._call("refit_begin", version)
             return
-        await self._drop_stream("a new push began")  # left by a push that ended unsaid
+        self._pushing = None
+        stream = self._stream
+        if stream is not None and stream.usable:
+            try:
+                await stream.begin(version)
+            except WorkerError:
+                if stream.usable:
+                    raise  # the actor answered the begin with an error
+                # the kept stream's connection failed: once more, on a new stream (a
+                # begin the actor took gave its version up when the connection ended)
+            else:
+                self._pushing = version
+                return
+        await self._drop_stream("it failed")
         host = self._stream_host if self._stream_host is not None else driver_host()
-        self._stream = await open_stream(self._actor, self._name, version, host)
+        stream = self._stream = await open_stream(self._actor, self._name, host)
+        await stream.begin(version)
+        self._pushing = version
 
     def _open_stream(self, version: int) -> StreamCall:
         stream = self._stream
-        if stream is None or stream.version != version:
+        if stream is None or self._pushing != version:
             raise WorkerError(
-                self._name, f"no stream of version {version} is open (begin_update first)"
+                self._name, f"no push of version {version} is open (begin_update first)"
             )
         return stream
 
@@ -437,14 +455,13 @@ class RayWorker:
         if not self._streaming:
             await self._call("refit_commit", version, buckets)
             return
-        stream = self._open_stream(version)
-        self._stream = None
-        await stream.finish(CommitUpdate(version=version, buckets=buckets))
+        await self._open_stream(version).finish(CommitUpdate(version=version, buckets=buckets))
+        self._pushing = None
 
     async def abort_update(self, version: int) -> None:
         stream = self._stream
-        if stream is not None and stream.version == version and stream.usable:
-            self._stream = None
+        self._pushing = None
+        if stream is not None and stream.usable:
             try:
                 await stream.finish(AbortUpdate(version=version))
                 return
@@ -452,7 +469,7 @@ class RayWorker:
                 if isinstance(exc, WorkerDiedError):
                     raise
                 # the stream failed under the abort: confirm it by a call of its own
-        elif stream is not None and stream.version == version:
+        elif stream is not None:
             await self._drop_stream("it failed")
         await self._call("refit_abort", version)
 
