@@ -104,6 +104,26 @@ def greedy(
     return out
 
 
+@torch.no_grad()
+def greedy_gaps(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+) -> list[list[float]]:
+    """How far below the best logit each token of ``continuations`` is, the model fed
+    the continuation itself (teacher forcing): all zeros for its own greedy tokens.
+
+    Another engine's greedy tokens in a low precision may part from ``greedy``'s at a
+    near tie, and then follow another prefix; their gaps stay at the rounding's size,
+    while a stale weight puts its tokens far below the best.
+    """
+    gaps = []
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        ids = torch.tensor([[*prompt, *continuation]])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        chosen = logits.gather(1, torch.tensor(list(continuation))[:, None])[:, 0]
+        gaps.append((logits.max(dim=1).values - chosen).tolist())
+    return gaps
+
+
 def engine_processes() -> set[int]:
     """This process's live descendants (vLLM's engine core and its workers), without
     multiprocessing's resource tracker."""

@@ -8,12 +8,13 @@ for version ``s`` (``wanted``), then trains (one AdamW step on tokens seeded by
 ``s``), so the push's first request arrives while it still trains; then every rank
 gathers every parameter (``full_tensor()``, a collective), and rank 0 loads them,
 cast to the engine's dtype, into a plain ``transformers`` model and sends the test
-that model's greedy tokens. Then it serves the push. After its last step it serves
-until the coordinator closes.
+that model's greedy tokens and its parameters. Then it serves the push. After its last
+step it serves until the coordinator closes.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import time
@@ -65,6 +66,13 @@ def _gathered_greedy(model: Any, reference: Any, plan: RankPlan) -> list[list[in
     return greedy(reference, PROMPTS, plan.tokens)
 
 
+def _state_bytes(model: Any) -> bytes:
+    """``model``'s parameters (the gathered ones, in the engine's dtype), serialised."""
+    buffer = io.BytesIO()
+    torch.save({name: p.detach().clone() for name, p in model.named_parameters()}, buffer)
+    return buffer.getvalue()
+
+
 def rank_main(rank: int, plan: RankPlan, asks: list[Any], results: Any) -> None:
     import anyio
     import torch.distributed as dist
@@ -101,7 +109,8 @@ def rank_main(rank: int, plan: RankPlan, asks: list[Any], results: Any) -> None:
                     _train(model, optimizer, step, vocab)
                     expected = _gathered_greedy(model, reference, plan)
                     if expected is not None:
-                        results.put(("expected", step, expected))
+                        assert reference is not None
+                        results.put(("expected", step, expected, _state_bytes(reference)))
                     results.put(("serving", rank, step, time.monotonic()))
                     outcome = await server.serve_push()
                     results.put(("served", rank, step, outcome.version, outcome.ok))
