@@ -265,14 +265,19 @@ async def test_a_push_over_the_stream_is_bitwise_right(cluster: Cluster) -> None
         await assert_hold(workers, trainer, 4)
 
 
-@pytest.mark.slow
-async def test_actor_calls_per_push_are_constant_in_the_bucket_count(cluster: Cluster) -> None:
-    trainer = cluster.trainer
-    await trainer.configure.remote(None)
+async def two_quiet_actors(cluster: Cluster) -> tuple[Remote, list[Remote]]:
+    """The cluster's trainer, reset, and its first two actors with no delay and no task log."""
+    await cluster.trainer.configure.remote(None)
     actors = cluster.actors[:2]
     for a in actors:
         await a.slow.remote(None)
     await take_tasks(actors)
+    return cluster.trainer, actors
+
+
+@pytest.mark.slow
+async def test_actor_calls_per_push_are_constant_in_the_bucket_count(cluster: Cluster) -> None:
+    trainer, actors = await two_quiet_actors(cluster)
     calls: dict[tuple[bool, int], list[list[str]]] = {}
     for stream in (True, False):
         for bucket_bytes in (256 * KIB, 64 * KIB):  # fewer and more buckets
@@ -444,12 +449,7 @@ def test_the_stream_connects_to_the_address_ray_reports(cluster: Cluster) -> Non
 
 @pytest.mark.slow
 async def test_a_stream_lost_between_pushes_is_opened_anew(cluster: Cluster) -> None:
-    trainer = cluster.trainer
-    await trainer.configure.remote(None)
-    actors = cluster.actors[:2]
-    for a in actors:
-        await a.slow.remote(None)
-    await take_tasks(actors)
+    trainer, actors = await two_quiet_actors(cluster)
     workers = workers_of(actors)
     async with RefitCoordinator(
         trainer=RayTrainerSource(trainer), workers=workers, budget_bytes=64 * KIB, timeout=60
