@@ -45,6 +45,7 @@ from asyncrefit.vllm import (
     EngineLoopError,
     PauseMode,
     VLLMWorker,
+    _link,
     connect_async_llm,
     connect_llm,
 )
@@ -513,6 +514,137 @@ async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
 
     with pytest.raises(EngineLoopError):
         await anyio.to_thread.run_sync(elsewhere)
+
+
+# --- the prefix cache ------------------------------------------------------------------
+
+
+def prefixed(block_size: int) -> list[list[int]]:
+    """PROMPTS behind one shared prefix longer than two KV blocks (a system prompt)."""
+    prefix = [(37 * i + 11) % 500 + 1 for i in range(2 * block_size + 40)]
+    assert len(prefix) + max(map(len, PROMPTS)) + TOKENS <= ENGINE_KWARGS["max_model_len"]
+    return [prefix + p for p in PROMPTS]
+
+
+def block_size(engine: Any) -> int:
+    config = engine.vllm_config if hasattr(engine, "vllm_config") else engine.llm_engine.vllm_config
+    assert config.cache_config.enable_prefix_caching  # vLLM's default: the case RL runs
+    return int(config.cache_config.block_size)
+
+
+def llm_tokens(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    requests: list[TokensPrompt] = [{"prompt_token_ids": list(p)} for p in prompts]
+    outs = llm.generate(requests, GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+async def async_tokens(engine: AsyncLLM, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [list((await agenerate(engine, p)).outputs[0].token_ids) for p in prompts]
+
+
+async def llm_prefix_pushes(llm: LLM, checkpoint: Path) -> list[bool]:
+    """Three pushes, the shared prefix generated before each (its KV cached under the
+    weights being replaced); whether the engine's tokens equal the trainer's after each."""
+    model = load_trainer(checkpoint)
+    prompts = prefixed(block_size(llm))
+    follows = []
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        for version in (1, 2, 3):
+            await anyio.to_thread.run_sync(llm_tokens, llm, prompts)  # fills the cache
+            perturb(model, seed=700 + version)
+            await refit.push(version)
+            got = await anyio.to_thread.run_sync(llm_tokens, llm, prompts)
+            follows.append(got == greedy(model, prompts, TOKENS))
+    return follows
+
+
+async def async_prefix_pushes(engine: AsyncLLM, checkpoint: Path, mode: PauseMode) -> list[bool]:
+    model = load_trainer(checkpoint)
+    prompts = prefixed(block_size(engine))
+    follows = []
+    async with (
+        connect_async_llm(engine, pause_mode=mode) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        for version in (1, 2, 3):
+            await async_tokens(engine, prompts)  # fills the cache
+            perturb(model, seed=800 + version)
+            await refit.push(version)
+            follows.append(await async_tokens(engine, prompts) == greedy(model, prompts, TOKENS))
+    return follows
+
+
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_llm_no_stale_prefix_kv_after_a_push(llm: LLM, checkpoint: Path) -> None:
+    assert await llm_prefix_pushes(llm, checkpoint) == [True, True, True]
+
+
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_llm_kept_prefix_cache_would_serve_stale_tokens(
+    llm: LLM, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above can fail: with the reset left out, the cached prefix KV of the
+    old weights makes the engine's tokens part from the trainer's (after two of the
+    three pushes here, depending on what the engine served before)."""
+
+    async def keep(self: Any) -> None:
+        pass
+
+    monkeypatch.setattr(_link._LLMOps, "reset_cache", keep)
+    assert False in await llm_prefix_pushes(llm, checkpoint)
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_async_llm_no_stale_prefix_kv_after_a_push(
+    async_llm: AsyncLLM, checkpoint: Path, mode: PauseMode
+) -> None:
+    assert await async_prefix_pushes(async_llm, checkpoint, mode) == [True, True, True]
+
+
+async def test_async_llm_kept_prefix_cache_would_serve_stale_tokens(
+    async_llm: AsyncLLM, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def pause_keeping_the_cache(self: Any) -> None:
+        await self._engine.pause_generation(mode=self._mode, clear_cache=False)
+
+    async def keep(self: Any) -> None:
+        pass
+
+    monkeypatch.setattr(_link._AsyncLLMOps, "pause", pause_keeping_the_cache)
+    monkeypatch.setattr(_link._AsyncLLMOps, "reset_cache", keep)
+    assert False in await async_prefix_pushes(async_llm, checkpoint, "keep")
+
+
+async def test_async_llm_blocks_of_a_kept_request_are_not_reused(
+    async_llm: AsyncLLM, checkpoint: Path
+) -> None:
+    """A request frozen by "keep" mid-generation computed its prefix's KV with the old
+    weights; requests after the push that share the prefix must not reuse it."""
+    model = load_trainer(checkpoint)
+    prompts = prefixed(block_size(async_llm))
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    async with (
+        connect_async_llm(async_llm, pause_mode="keep") as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        await refit.push(1)
+        perturb(model, seed=900)
+        outputs: list[RequestOutput] = []
+        started = anyio.Event()
+
+        async def request() -> None:
+            outputs.append(await agenerate(async_llm, prompts[0], long, started))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(request)
+            await started.wait()  # the prefix's KV is in the cache, under version 1
+            await refit.push(2)
+            # while the kept request goes on (on version 2), new ones share its prefix
+            assert await async_tokens(async_llm, prompts) == greedy(model, prompts, TOKENS)
+        assert [v for v, _, _ in _spans(outputs[0])] == ["1", "2"]
 
 
 # --- tied embeddings -------------------------------------------------------------------

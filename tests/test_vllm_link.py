@@ -152,6 +152,10 @@ class FakeEngine:
         self.paused = False
         self.session = False
         self.label: str | None = None
+        # Weights written since the prefix cache was last reset, and how often
+        # generation resumed with such a cache (always 0: nothing stale is served).
+        self.cache_stale = False
+        self.stale_resumes = 0
         self.fail: dict[str, int] = {}  # call name -> how many times it fails
         self.before: dict[str, Hook] = {}  # call name -> run first (once)
         self._send, self._receive = anyio.create_memory_object_stream[_Job](100)
@@ -198,6 +202,8 @@ class FakeEngine:
         async def run() -> None:
             assert self.session, "update_weights outside a weight update"
             await self._all(request_id)
+            if any(w.seen[-1:] == ["LoadBucket"] for w in self.workers):
+                self.cache_stale = True  # the model's weights changed
 
         await self._call("update", run)
 
@@ -241,9 +247,16 @@ class FakeEngine:
 
         await self._call("pause", run)
 
+    async def reset_cache(self) -> None:
+        async def run() -> None:
+            self.cache_stale = False
+
+        await self._call("reset", run)
+
     async def resume(self) -> None:
         async def run() -> None:
             assert not self.session, "generation resumed inside a weight update"
+            self.stale_resumes += self.cache_stale
             self.paused = False
 
         await self._call("resume", run)
@@ -300,9 +313,10 @@ async def test_an_abort_cut_short_by_its_caller_still_ends_the_update_and_resume
             "serve",
             "finish:None",
             "label:incomplete-1",
+            "reset",
             "resume",
         ]
-        assert not engine.paused and not engine.session
+        assert not engine.paused and not engine.session and not engine.stale_resumes
         assert engine.label == "incomplete-1"
 
 
@@ -370,6 +384,55 @@ async def test_a_failed_finish_relabels_the_engine_incomplete() -> None:
         await workers[0].abort_update(2)
         assert engine.label == "incomplete-2"
         assert not engine.paused and not engine.session
+
+
+# --- the prefix cache and the weight version move together --------------------------
+
+
+async def test_a_commit_resets_the_prefix_cache_after_the_label_and_before_resuming() -> None:
+    async with engine_link() as (engine, workers):
+        for version in (1, 2):
+            await begin_and_load(workers, version)
+            await workers[0].commit_update(version, 1)
+            assert after(engine.calls, f"finish:{version}") == [
+                f"finish:{version}",
+                "reset",
+                "resume",
+            ]
+        assert engine.stale_resumes == 0 and not engine.paused
+
+
+async def test_an_abort_before_any_byte_keeps_the_cache() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        await workers[0].commit_update(1, 1)
+        await each(workers, lambda w: w.begin_update(2))
+        await workers[0].abort_update(2)
+        assert "reset" not in after(engine.calls, "pause") and engine.label == "1"
+        assert not engine.paused
+
+
+async def test_a_failed_reset_fails_the_commit_and_the_abort_resets_before_resuming() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        engine.fail["reset"] = 1
+        with pytest.raises(WorkerRemoteError, match="resetting the prefix cache failed"):
+            await workers[0].commit_update(1, 1)
+        assert engine.paused and engine.cache_stale  # nothing served meanwhile
+        await workers[0].abort_update(1)
+        assert after(engine.calls, "reset") == ["reset", "resume"]
+        assert engine.stale_resumes == 0 and not engine.paused and engine.label == "1"
+
+
+async def test_a_reset_that_keeps_failing_relabels_the_engine_and_still_resumes() -> None:
+    async with engine_link() as (engine, workers):
+        await begin_and_load(workers, 1)
+        engine.fail["reset"] = 2
+        with pytest.raises(WorkerRemoteError):
+            await workers[0].commit_update(1, 1)
+        await workers[0].abort_update(1)
+        assert engine.label == "stale-cache"  # outputs say the cache could not follow
+        assert not engine.paused
 
 
 # --- errors name the rank that failed ----------------------------------------------

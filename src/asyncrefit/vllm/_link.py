@@ -152,19 +152,27 @@ class _EngineOps(Protocol):
 
     async def pause(self) -> None: ...
 
+    async def reset_cache(self) -> None: ...
+
     async def resume(self) -> None: ...
+
+
+def _check_reset(done: object) -> None:
+    """vLLM answers a prefix-cache reset with whether it succeeded (``None`` where an
+    older release returned nothing)."""
+    if done is False:
+        raise RuntimeError("vLLM could not reset its prefix cache")
 
 
 class _AsyncLLMOps:
     """An ``AsyncLLM``: every call is awaited on the loop that owns the engine."""
 
-    def __init__(self, engine: Any, pause_mode: PauseMode, clear_cache: bool) -> None:
+    def __init__(self, engine: Any, pause_mode: PauseMode) -> None:
         if pause_mode not in _PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {_PAUSE_MODES}, got {pause_mode!r}")
         self._engine = engine
         self.vllm_config = engine.vllm_config
         self._mode = pause_mode
-        self._clear_cache = clear_cache
         handler = getattr(engine, "output_handler", None)
         # The engine's output handler task runs on the loop that owns it; an engine
         # made outside a loop binds to the first loop that uses it: this one.
@@ -224,7 +232,13 @@ class _AsyncLLMOps:
 
     async def pause(self) -> None:
         self._check()
-        await self._engine.pause_generation(mode=self._mode, clear_cache=self._clear_cache)
+        # clear_cache: the prefix cache holds KV computed with the weights being
+        # replaced, and requests frozen by "keep" are preempted, to be recomputed.
+        await self._engine.pause_generation(mode=self._mode, clear_cache=True)
+
+    async def reset_cache(self) -> None:
+        self._check()
+        _check_reset(await self._engine.reset_prefix_cache(reset_running_requests=True))
 
     async def resume(self) -> None:
         self._check()
@@ -278,6 +292,10 @@ class _LLMOps:
 
     async def pause(self) -> None:
         pass  # an LLM generates only inside its own blocking calls: nothing to pause
+
+    async def reset_cache(self) -> None:
+        llm = self._llm
+        _check_reset(await self._run(lambda: llm.reset_prefix_cache(reset_running_requests=True)))
 
     async def resume(self) -> None:
         pass
@@ -361,6 +379,9 @@ class _EngineLink:
         # An abort that got no answer: no proof yet that no rank reads a trainer buffer.
         self._unconfirmed: int | None = None
         self._paused = False
+        # Weights changed since the prefix cache was last reset: KV cached under the
+        # old weights must be dropped before generation resumes (see _resume).
+        self._stale_cache = False
         self._dead: str | None = None
         self._dir: str | None = None
         self.workers = [VLLMWorker(self, rank) for rank in range(self.world)]
@@ -369,7 +390,8 @@ class _EngineLink:
         state = f"dead ({self._dead})" if self._dead else "alive"
         return (
             f"<vLLM engine link {self.name!r} ranks={self.world} session={self._session} "
-            f"unconfirmed={self._unconfirmed} paused={self._paused} {state}>"
+            f"unconfirmed={self._unconfirmed} paused={self._paused} "
+            f"stale_cache={self._stale_cache} {state}>"
         )
 
     @staticmethod
@@ -653,16 +675,24 @@ class _EngineLink:
                 # From here on every byte is in: if finishing fails, the abort that
                 # follows labels the engine incomplete whatever the workers say.
                 self._finishing = version
+                self._stale_cache = True  # from the first byte finishing may change
                 await self._ops.finish(str(version))
                 self._session = self._finishing = None
+                step = "resetting the prefix cache"
                 try:
+                    # The label and the cache move together: no block computed with
+                    # older weights is reused once generation resumes.
+                    await self._ops.reset_cache()
+                    self._stale_cache = False
+                    step = "resuming generation"
                     await self._ops.resume()
                 except Exception as exc:
-                    # Still paused: fail the push; the abort that follows resumes again.
+                    # Still paused: fail the push; the abort that follows resets the
+                    # cache (or relabels the engine) and resumes.
                     raise WorkerRemoteError(
                         self.name,
                         type(exc).__name__,
-                        f"version {version} is in, but resuming generation failed: {exc}",
+                        f"version {version} is in, but {step} failed: {exc}",
                     ) from exc
                 self._paused = False  # only once resumed: else the next abort retries
                 return replies
@@ -698,7 +728,7 @@ class _EngineLink:
                 if self._session is not None or self._unconfirmed is not None:
                     unconfirmed = await self._end_session()
             finally:
-                if self._paused:
+                if self._paused or self._stale_cache:
                     await self._resume()
         if unconfirmed is not None:
             raise unconfirmed
@@ -734,12 +764,16 @@ class _EngineLink:
         self._unconfirmed = None if unconfirmed is None else version
         if session is None:
             return unconfirmed  # vLLM's update was ended before: only confirming
+        if written:
+            self._stale_cache = True  # the KV cached so far was computed with older weights
         await self._bounded("ending vLLM's weight update", lambda: self._ops.finish(None))
         self._session = self._finishing = None
         if written:  # outputs must not claim a version the engine no longer holds whole
-            label = f"incomplete-{version}"
-            await self._bounded("relabelling", lambda: self._ops.set_label(label))
+            await self._relabel(f"incomplete-{version}")
         return unconfirmed
+
+    async def _relabel(self, label: str) -> None:
+        await self._bounded("relabelling", lambda: self._ops.set_label(label))
 
     async def _bounded(self, what: str, call: Callable[[], Awaitable[None]]) -> bool:
         """One engine call of a cleanup, at most the cleanup timeout; failures logged."""
@@ -754,6 +788,17 @@ class _EngineLink:
         return True
 
     async def _resume(self) -> None:
+        """Reset the prefix cache if weights changed since it was reset, then resume.
+
+        A reset that fails leaves the engine serving KV computed with older weights:
+        its weight version says so (``"stale-cache"``), and generation resumes anyway
+        (an engine is never left paused by asyncrefit).
+        """
+        if self._stale_cache:
+            if await self._bounded("resetting the prefix cache", self._ops.reset_cache):
+                self._stale_cache = False
+            else:
+                await self._relabel("stale-cache")
         if await self._bounded("resuming generation", self._ops.resume):
             self._paused = False
 
@@ -856,7 +901,6 @@ async def connect_async_llm(
     engine: Any,
     *,
     pause_mode: PauseMode = "keep",
-    clear_cache: bool = True,
     name: str = "vllm",
     rpc_timeout: float = 60.0,
     cleanup_timeout: float = CLEANUP_TIMEOUT,
@@ -869,11 +913,19 @@ async def connect_async_llm(
     :func:`engine_args` (else :class:`EngineConfigError`).
 
     Generation may go on during pushes: each push pauses it with
-    ``pause_generation(mode=pause_mode, clear_cache=clear_cache)`` — ``"abort"`` ends
-    requests in flight, ``"wait"`` lets them finish first (the coordinator's timeout
-    then bounds how long), ``"keep"`` freezes them and continues them on the new
-    weights — and resumes it when the push ends, also when it fails. ``clear_cache``
-    drops the prefix cache, whose entries were computed with the old weights.
+    ``pause_generation(mode=pause_mode)`` — ``"abort"`` ends requests in flight,
+    ``"wait"`` lets them finish first (the coordinator's timeout then bounds how
+    long), ``"keep"`` freezes them and continues them on the new weights — and
+    resumes it when the push ends, also when it fails.
+
+    No KV computed with older weights is used after a push: the pause clears the
+    prefix cache, and once the new weights are in (or a failed push wrote some bytes)
+    the prefix cache is reset again before generation resumes, together with the
+    engine's weight version. Requests frozen by ``"keep"`` are preempted by that
+    reset: they keep the tokens generated so far and recompute their KV on the new
+    weights. (There is no way to keep the cache: it would serve tokens of the old
+    weights.) If vLLM cannot reset its cache, the push fails and the engine's weight
+    version becomes ``"stale-cache"``.
 
     Resource handling: entering opens one Unix socket that every rank connects to;
     exiting ends any open update session, resumes generation, asks the workers to
@@ -896,9 +948,7 @@ async def connect_async_llm(
     :class:`~asyncrefit.WorkerRemoteError` (a dead engine:
     :class:`~asyncrefit.WorkerDiedError`). See :class:`VLLMWorker` for pushes.
     """
-    link = _EngineLink(
-        _AsyncLLMOps(engine, pause_mode, clear_cache), name, rpc_timeout, cleanup_timeout
-    )
+    link = _EngineLink(_AsyncLLMOps(engine, pause_mode), name, rpc_timeout, cleanup_timeout)
     async with _connected(link) as workers:
         yield workers
 
@@ -916,7 +966,9 @@ async def connect_llm(
     ``LLM`` is synchronous: each of its calls runs in a worker thread, one at a time,
     so the coordinator's loop keeps running; each is bounded by ``rpc_timeout``. Do not
     call ``llm.generate`` from another thread during a push: nothing pauses it. The
-    engine must have been started with :func:`engine_args`.
+    engine must have been started with :func:`engine_args`. Once the new weights are
+    in (or a failed push wrote some), the prefix cache is reset, so that the next
+    ``generate`` computes no token from KV of older weights.
 
     Resource handling and error handling: as :func:`connect_async_llm`.
     """
