@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 import torch
@@ -51,6 +51,7 @@ class FakeWorker:
     dead: bool = False
     hung: bool = False
     importers: dict[str, Importer] | None = None
+    whole: bool = False  # declares its parameters whole only (no parts), as vLLM does
 
     def __post_init__(self) -> None:
         self.receiver = ParameterReceiver(self.parameters, self.device, importers=self.importers)
@@ -59,11 +60,19 @@ class FakeWorker:
 
     @classmethod
     def like(
-        cls, name: str, device: DeviceId, module: torch.nn.Module, faults: Faults | None = None
+        cls,
+        name: str,
+        device: DeviceId,
+        module: torch.nn.Module,
+        faults: Faults | None = None,
+        *,
+        whole: bool = False,
     ) -> FakeWorker:
         """A worker holding zeroed copies of ``module``'s parameters."""
         params = {n: torch.zeros_like(p.detach()) for n, p in module.named_parameters()}
-        return cls(name=name, device=device, parameters=params, faults=faults or Faults())
+        return cls(
+            name=name, device=device, parameters=params, faults=faults or Faults(), whole=whole
+        )
 
     async def _check_alive(self) -> None:
         if self.hung:
@@ -78,7 +87,10 @@ class FakeWorker:
 
     async def parameter_specs(self) -> Sequence[ParamSpec]:
         await anyio.lowlevel.checkpoint()
-        return self.receiver.specs()
+        specs = self.receiver.specs()
+        if self.whole:
+            return tuple(replace(s, parts=False) for s in specs)
+        return specs
 
     async def begin_update(self, version: int) -> None:
         await anyio.lowlevel.checkpoint()

@@ -187,7 +187,7 @@ def layouts_main(rank: int, world: int, port: int, results: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from asyncrefit.trainer._gather import GatherError, gather_into
+    from asyncrefit.trainer._gather import GatherError, gather_into, gather_rows_into
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -202,6 +202,19 @@ def layouts_main(rank: int, world: int, port: int, results: Any) -> None:
                 gather_into(dt, out, timeout=10, name=name)
                 ok = torch.equal(out.view(torch.uint8), full.to(dtype).view(torch.uint8))
                 results.put(("layout", rank, name, str(dtype), ok))
+            # rows lo:hi only (a part, or one expert of a fused tensor): within one
+            # rank's shard, across a shard boundary, the last rows, all of them
+            rows_ok = True
+            n = shape[0]
+            for lo, hi in {(0, min(1, n)), (1, n - 1), (n // 2, n), (0, n)}:
+                if not 0 <= lo <= hi <= n:
+                    continue
+                for dtype in (torch.float32, torch.bfloat16):
+                    part = torch.full((hi - lo, *shape[1:]), float("nan"), dtype=dtype)
+                    gather_rows_into(dt, lo, hi, part, timeout=10, name=name)
+                    want = full[lo:hi].to(dtype)
+                    rows_ok &= torch.equal(part.view(torch.uint8), want.view(torch.uint8))
+            results.put(("rows", rank, name, "", rows_ok))
         mesh = init_device_mesh("cpu", (world,))
         partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
         try:

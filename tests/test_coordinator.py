@@ -179,12 +179,14 @@ async def test_name_and_dtype_mismatches(change: str) -> None:
 
 
 async def test_budget_smaller_than_a_tensor_is_a_typed_error() -> None:
+    """Where a worker takes a tensor only whole (parts: tests/test_parts.py)."""
     model = make_mlp()  # 0.weight is 64 KiB
-    workers = fakes(model, 1)
+    workers = [FakeWorker.like("w0", cpu_device(0), model, whole=True)]
     with pytest.raises(BudgetTooSmallError) as info:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=32 * KIB):
             pass
     assert "0.weight" in str(info.value) or "2.weight" in str(info.value)
+    assert "worker 'w0' takes only whole" in str(info.value)
     assert workers[0].calls == []
     assert own_segments() == []
 
@@ -298,9 +300,13 @@ async def test_slots_are_reused_only_after_every_ack() -> None:
     model = make_mlp()
     workers = fakes(model, 3, w0=Faults(delay=0.02), w2=Faults(delay=0.005))
     async with RefitCoordinator(
-        trainer=model, workers=workers, budget_bytes=128 * KIB, bucket_bytes=8 * KIB
+        # 0.weight (64 KiB) and 2.weight go in parts: every slot holds 8 KiB
+        trainer=model,
+        workers=workers,
+        budget_bytes=16 * KIB,
+        bucket_bytes=8 * KIB,
     ) as refit:
-        assert refit.plan is not None and len(refit.plan.buckets) >= 4
+        assert refit.plan is not None and len(refit.plan.buckets) >= 16
         for version in (1, 2):
             step(model, version)
             report = await refit.push(version)
@@ -416,7 +422,7 @@ async def test_a_rejected_parameter_set_is_rejected_again_at_the_next_push() -> 
 
 async def test_a_grown_tensor_over_the_budget_is_refused_at_every_push() -> None:
     model = make_mlp()
-    workers = fakes(model, 1)
+    workers = [FakeWorker.like("w0", cpu_device(0), model, whole=True)]
     async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
         await refit.push(1)
         assert isinstance(model, torch.nn.Sequential)

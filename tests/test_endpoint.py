@@ -146,9 +146,9 @@ def test_every_request_is_dispatched(
         assert endpoint.handle(ReportDevice()) == DeviceReply(device=DEV)
         assert endpoint.handle(GetSpecs()) == SpecsReply(
             specs=(
-                ParamSpec(name="a", shape=(16,), dtype="float32"),
-                ParamSpec(name="b", shape=(3, 4), dtype="float32"),
-                ParamSpec(name="c", shape=(5,), dtype="int32"),
+                ParamSpec(name="a", shape=(16,), dtype="float32", parts=True),
+                ParamSpec(name="b", shape=(3, 4), dtype="float32", parts=True),
+                ParamSpec(name="c", shape=(5,), dtype="int32", parts=True),
             )
         )
         assert endpoint.handle(GetVersion()) == VersionReply(version=None)

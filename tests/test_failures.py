@@ -285,7 +285,8 @@ async def test_a_removed_straggler_releases_its_handles_once_it_confirms() -> No
 
 async def test_closing_cancels_a_push_that_would_never_end() -> None:
     model = make_mlp()
-    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    # whole: one slot per bucket of this plan, so w1 hangs holding exactly one
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model, whole=True) for i in range(2)]
     refit = RefitCoordinator(
         trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=None, cleanup_timeout=0.3
     )

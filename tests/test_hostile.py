@@ -98,7 +98,8 @@ async def scenario(
     for i in range(3):
         params = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in tensors.items()}
         device = cpu_device(0 if same_device else i)
-        workers.append(FakeWorker(name=f"w{i}", device=device, parameters=params))
+        # whole: a tensor over the budget is refused (parts: tests/test_parts.py)
+        workers.append(FakeWorker(name=f"w{i}", device=device, parameters=params, whole=True))
     bad_name = mutate(workers[1].parameters, how)
     workers[1].__post_init__()
     before = [{n: t.clone() for n, t in w.parameters.items()} for w in workers]

@@ -104,7 +104,9 @@ def rank_segments(processes: list[Any]) -> list[str]:
     return [s for s in list_segments() if int(s.split("-")[1]) in pids]
 
 
-async def check_three_pushes(plan: RankPlan, worker_devices: list[str], budget: int) -> list[int]:
+async def check_three_pushes(
+    plan: RankPlan, worker_devices: list[str], budget: int, *, parts: bool = False
+) -> list[int]:
     take.pending = []  # type: ignore[attr-defined]
     with trainer_ranks(plan) as (processes, results):
         async with spawn_local_workers(
@@ -112,6 +114,7 @@ async def check_three_pushes(plan: RankPlan, worker_devices: list[str], budget: 
         ) as workers:
             async with sharded_refit(plan, workers, budget, verify=True) as refit:
                 assert refit.plan is not None and len(refit.plan.buckets) > 2
+                assert bool(refit.plan.split) == parts
                 for version in range(1, plan.steps + 1):
                     report = await refit.push(version)
                     _, step, expected = take(results, "expected")
@@ -134,6 +137,15 @@ async def test_fsdp2_ranks_push_their_gathered_state_cast_to_bf16() -> None:
     with tempfile.TemporaryDirectory() as directory:
         plan = RankPlan(world=2, port=free_port(), directory=directory, steps=3)
         await check_three_pushes(plan, ["cpu:0", "cpu:1"], budget=64 * KIB)
+
+
+async def test_fsdp2_tensors_larger_than_a_bucket_go_in_parts() -> None:
+    """A budget of 8 KiB (buckets of 4 KiB) under tensors of up to 14 KiB in bf16: each
+    goes in parts of rows, gathered rank by rank (lm_head's 97 rows split 49 + 48, so
+    some parts straddle the ranks' shards)."""
+    with tempfile.TemporaryDirectory() as directory:
+        plan = RankPlan(world=2, port=free_port(), directory=directory, steps=3)
+        await check_three_pushes(plan, ["cpu:0", "cpu:1"], budget=8 * KIB, parts=True)
 
 
 async def test_a_rank_that_serves_no_worker_still_takes_part_in_every_gather() -> None:
@@ -201,7 +213,8 @@ async def test_peak_extra_memory_per_rank_stays_within_budget_plus_largest_tenso
 
 
 def test_every_placement_on_1d_and_2d_meshes_is_gathered_bitwise() -> None:
-    """Shard(0) (even, uneven, fewer rows than ranks), Shard(1), Replicate, 2-D meshes."""
+    """Shard(0) (even, uneven, fewer rows than ranks), Shard(1), Replicate, 2-D meshes;
+    whole, and rows of them (``gather_rows_into``)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -212,7 +225,7 @@ def test_every_placement_on_1d_and_2d_meshes_is_gathered_bitwise() -> None:
     for p in processes:
         p.start()
     try:
-        got = [results.get(timeout=90) for _ in range(4 * 2 * len(LAYOUTS) + 4)]
+        got = [results.get(timeout=90) for _ in range(4 * 3 * len(LAYOUTS) + 4)]
     finally:
         for p in processes:
             p.join(30)
@@ -221,8 +234,9 @@ def test_every_placement_on_1d_and_2d_meshes_is_gathered_bitwise() -> None:
                 p.join(10)
         results.close()
         results.join_thread()
-    bad = [g for g in got if g[0] == "layout" and not g[4]]
+    bad = [g for g in got if g[0] in ("layout", "rows") and not g[4]]
     assert bad == []
+    assert len([g for g in got if g[0] == "rows"]) == 4 * len(LAYOUTS)
     refusals = [g for g in got if g[0] == "refused"]
     assert len(refusals) == 4 and all(r[2] and "Partial" in r[2] for r in refusals)
     assert all(p.exitcode == 0 for p in processes)

@@ -77,9 +77,10 @@ async def test_shared_parameters_push_without_packing_and_train_in_place() -> No
 
 async def test_a_zero_copy_push_has_every_bucket_in_flight_whatever_the_budget() -> None:
     """Slabs stage nothing: the budget bounds no memory, so it neither refuses a bucket
-    larger than itself nor holds buckets back; a staging source beside it still does."""
+    larger than itself nor holds buckets back; a staging source beside it still does
+    (for workers that take parameters whole only)."""
     model = make_mlp()
-    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
+    workers = [FakeWorker.like(f"w{i}", cpu_device(i), model, whole=True) for i in range(2)]
     trainer = SharedParameterTrainer(model)
     async with RefitCoordinator(
         trainer=trainer, workers=workers, budget_bytes=1 * KIB, bucket_bytes=4 * KIB

@@ -15,6 +15,7 @@ from ._exceptions import AsyncRefitError as AsyncRefitError
 from ._exceptions import BudgetTooSmallError as BudgetTooSmallError
 from ._exceptions import CapacityExceededError as CapacityExceededError
 from ._exceptions import ClosedError as ClosedError
+from ._exceptions import ConversionError as ConversionError
 from ._exceptions import DiscoveryError as DiscoveryError
 from ._exceptions import DuplicateWorkerError as DuplicateWorkerError
 from ._exceptions import IntegrityError as IntegrityError
@@ -71,6 +72,7 @@ __all__ = (
     "ByteBudget",
     "CapacityExceededError",
     "ClosedError",
+    "ConversionError",
     "DeviceId",
     "DiscoveryError",
     "DuplicateWorkerError",

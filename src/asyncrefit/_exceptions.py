@@ -47,6 +47,19 @@ class BudgetTooSmallError(PlanError):
         )
 
 
+class ConversionError(PlanError):
+    """The trainer's parameters cannot be laid out as the engine's checkpoint tensors.
+
+    ``parameter`` names the checkpoint tensor (or the trainer parameter) concerned.
+    """
+
+    def __init__(self, source: str, parameter: str, problem: str) -> None:
+        self.source = source
+        self.parameter = parameter
+        self.problem = problem
+        super().__init__(f"trainer source {source!r}, parameter {parameter!r}: {problem}")
+
+
 class CapacityExceededError(AsyncRefitError):
     """A budget request is larger than the whole budget and could never be granted."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ._dtypes import dtype_itemsize
 from ._exceptions import PlanError, TransportError
-from ._plan import ParamSpec
+from ._plan import ParamSpec, TensorEntry
 from .transport._base import Handle
 
 
@@ -91,9 +91,32 @@ class Declared:
             spec = self.specs.get(e.name)
             if spec is None:
                 raise TransportError(f"bucket {handle.bucket} {self.unknown.format(name=e.name)}")
+            if e.part is not None:
+                _check_part(handle.bucket, e, spec)
+                continue
             if spec.shape != e.shape or spec.dtype != e.dtype:
                 raise TransportError(
                     f"bucket {handle.bucket}, parameter {e.name!r}: {e.dtype}{list(e.shape)} "
                     f"sent, {spec.dtype}{list(spec.shape)} {self.own}"
                 )
         check_layout(handle)
+
+
+def _check_part(bucket: int, e: TensorEntry, spec: ParamSpec) -> None:
+    """A part ``e`` must be rows ``start:stop`` of ``spec``, which the worker takes in parts."""
+    where = f"bucket {bucket}, parameter {e.label!r}"
+    if not spec.parts:
+        raise TransportError(f"{where}: sent in parts, and this worker takes it only whole")
+    part = e.part
+    if (
+        not isinstance(part, tuple)
+        or len(part) != 2
+        or not all(isinstance(i, int) for i in part)
+        or not spec.shape
+        or not 0 <= part[0] < part[1] <= spec.shape[0]
+        or e.shape != (part[1] - part[0], *spec.shape[1:])
+        or e.dtype != spec.dtype
+    ):
+        raise TransportError(
+            f"{where}: {e.dtype}{list(e.shape)} is not those rows of {spec.dtype}{list(spec.shape)}"
+        )

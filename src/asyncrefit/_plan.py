@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ._dtypes import dtype_itemsize as dtype_itemsize
@@ -23,11 +23,17 @@ DEFAULT_ALIGNMENT = 256
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamSpec:
-    """What a parameter is: its name, shape and dtype name (``"float32"``)."""
+    """What a parameter is: its name, shape and dtype name (``"float32"``).
+
+    ``parts`` is declared by a worker: it takes this parameter in parts (slices of
+    consecutive rows along dimension 0, each in its own bucket), so that a tensor
+    larger than a bucket is split rather than refused. Trainers leave it ``False``.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    parts: bool = False
 
     @property
     def numel(self) -> int:
@@ -40,13 +46,19 @@ class ParamSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorEntry(FastPickle):
-    """Where one tensor lives inside a bucket."""
+    """Where one tensor lives inside a bucket.
+
+    ``part`` is ``None`` for a whole tensor, or ``(start, stop)``: the entry holds rows
+    ``start:stop`` (dimension 0) of the parameter ``name``, and ``shape`` is the shape
+    of those rows.
+    """
 
     name: str
     offset: int
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+    part: tuple[int, int] | None = None
     # Entries are hashed whenever a handle is looked up by value (a worker validates a
     # handle once, a link finds the reference it sent it under): the hash is kept.
     _hash: int = field(default=0, init=False, repr=False, compare=False)
@@ -54,9 +66,15 @@ class TensorEntry(FastPickle):
     def __hash__(self) -> int:
         h = self._hash
         if not h:
-            h = hash((self.name, self.offset, self.nbytes, self.shape, self.dtype)) or 1
+            key = (self.name, self.offset, self.nbytes, self.shape, self.dtype, self.part)
+            h = hash(key) or 1
             object.__setattr__(self, "_hash", h)
         return h
+
+    @property
+    def label(self) -> str:
+        """The parameter's name, with the rows of a part (``name[0:512]``)."""
+        return self.name if self.part is None else f"{self.name}[{self.part[0]}:{self.part[1]}]"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,12 +93,17 @@ class Bucket:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """The buckets of a parameter set, in transfer order."""
+    """The buckets of a parameter set, in transfer order.
+
+    ``params`` are the parameters planned, whole (a parameter split into parts has
+    one entry per part).
+    """
 
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
     alignment: int
     fingerprint: str
+    params: tuple[ParamSpec, ...] = ()
 
     @property
     def payload_bytes(self) -> int:
@@ -92,11 +115,12 @@ class Plan:
 
     @property
     def specs(self) -> dict[str, ParamSpec]:
-        return {
-            e.name: ParamSpec(name=e.name, shape=e.shape, dtype=e.dtype)
-            for b in self.buckets
-            for e in b.entries
-        }
+        return {s.name: s for s in self.params}
+
+    @property
+    def split(self) -> frozenset[str]:
+        """The parameters sent in parts."""
+        return frozenset(e.name for b in self.buckets for e in b.entries if e.part is not None)
 
 
 def fingerprint(specs: Iterable[ParamSpec]) -> str:
@@ -112,13 +136,21 @@ def _align(n: int, alignment: int) -> int:
 
 
 def plan_buckets(
-    specs: Sequence[ParamSpec], bucket_bytes: int, *, alignment: int = DEFAULT_ALIGNMENT
+    specs: Sequence[ParamSpec],
+    bucket_bytes: int,
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    splittable: Collection[str] = (),
 ) -> Plan:
     """Pack ``specs`` in order into buckets of at most ``bucket_bytes``.
 
     Every tensor starts at a multiple of ``alignment``. A tensor larger than
-    ``bucket_bytes`` gets a bucket of its own, exactly its size (the caller's budget
-    must still hold it). The result depends only on the arguments.
+    ``bucket_bytes`` is split into parts of whole rows (dimension 0) if it is named in
+    ``splittable`` (the receivers take it in parts): the first part fills what is left
+    of the current bucket, the next ones fill buckets of their own, the last one shares
+    its bucket with the tensors after it. Otherwise, or if one row alone is larger
+    than ``bucket_bytes``, it gets a bucket of its own, exactly its size (the caller's
+    budget must still hold it). The result depends only on the arguments.
 
     Raises :class:`PlanError` for duplicate names, an empty set, a non-positive
     ``bucket_bytes`` or an ``alignment`` that is not a power of two.
@@ -147,8 +179,36 @@ def plan_buckets(
         if any(d < 0 for d in spec.shape):
             raise PlanError(f"parameter {spec.name!r} has a negative dimension {spec.shape}")
         nbytes = spec.nbytes
+        itemsize = dtype_itemsize(spec.dtype)
         # Never below the element size, so every entry can be viewed as its dtype.
-        offset = _align(end, max(alignment, dtype_itemsize(spec.dtype)))
+        align = max(alignment, itemsize)
+        offset = _align(end, align)
+        row = nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
+        if nbytes > bucket_bytes and spec.name in splittable and 0 < row <= bucket_bytes:
+            start = 0
+            while start < spec.shape[0]:
+                if current and (bucket_bytes - offset) < row:
+                    close()
+                    offset = 0
+                rows = min(spec.shape[0] - start, (bucket_bytes - offset) // row)
+                current.append(
+                    TensorEntry(
+                        name=spec.name,
+                        offset=offset,
+                        nbytes=rows * row,
+                        shape=(rows, *spec.shape[1:]),
+                        dtype=spec.dtype,
+                        part=(start, start + rows),
+                    )
+                )
+                start += rows
+                end = offset + rows * row
+                if start < spec.shape[0]:
+                    close()
+                    offset = 0
+            if end >= bucket_bytes:
+                close()
+            continue
         if current and offset + nbytes > bucket_bytes:
             close()
             offset = 0
@@ -166,6 +226,10 @@ def plan_buckets(
         bucket_bytes=bucket_bytes,
         alignment=alignment,
         fingerprint=fingerprint(specs),
+        params=tuple(
+            s if not s.parts else ParamSpec(name=s.name, shape=s.shape, dtype=s.dtype)
+            for s in specs
+        ),
     )
 
 

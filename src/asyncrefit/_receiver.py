@@ -67,11 +67,17 @@ class _Prepared:
         self.epoch = epoch
 
 
+def _destination(param: torch.Tensor, part: tuple[int, int] | None) -> torch.Tensor:
+    """Where an entry goes: the parameter, or the rows of it that a part carries."""
+    return param if part is None else param[part[0] : part[1]]
+
+
 class ParameterSink:
     """Copies a bucket's entries into the parameter tensors of their names.
 
     The parameters' shapes and dtypes are those of the tensors given here, for the
-    sink's life (what it declares). The copies of a handle (views of the opened
+    sink's life (what it declares); each is taken whole or in parts (rows), so a
+    parameter larger than a bucket is sent in parts. The copies of a handle (views of the opened
     buffer, paired with the parameters) are kept while its importer returns the same
     buffer for it.
 
@@ -91,7 +97,9 @@ class ParameterSink:
         self.parameters = dict(parameters)
         self._declared = Declared(
             specs={
-                name: ParamSpec(name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+                name: ParamSpec(
+                    name=name, shape=tuple(t.shape), dtype=dtype_name(t.dtype), parts=True
+                )
                 for name, t in self.parameters.items()
             }
         )
@@ -161,7 +169,7 @@ class ParameterSink:
     def _prepare(self, handle: Handle, buffer: torch.Tensor) -> _Prepared:
         copies = [
             (
-                self.parameters[e.name],
+                _destination(self.parameters[e.name], e.part),
                 buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape),
             )
             for e in handle.entries

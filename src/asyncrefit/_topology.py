@@ -53,6 +53,16 @@ class Topology:
         """This topology with ``member`` routed and validated (raises as planning does)."""
         source = route(self.infos, member)
         validate_worker(self.plan.specs, member.name, member.specs)
+        split = self.plan.split
+        if split:
+            whole = sorted(s.name for s in member.specs if s.name in split and not s.parts)
+            if whole:
+                raise ParameterMismatchError(
+                    member.name,
+                    whole[0],
+                    "it is sent in parts (it is larger than a bucket), and this worker "
+                    "takes it only whole",
+                )
         return replace(self, routes=MappingProxyType({**self.routes, member: source}))
 
     def without(self, member: Member) -> Topology:
@@ -113,6 +123,17 @@ def wire_specs(trainer: Sequence[ParamSpec], members: Iterable[Member]) -> tuple
     return tuple(wire)
 
 
+def splittable(members: Sequence[Member]) -> frozenset[str]:
+    """The parameters every worker takes in parts (see :attr:`ParamSpec.parts`)."""
+    if not members:
+        return frozenset()
+    names: set[str] | None = None
+    for member in members:
+        own = {s.name for s in member.specs if s.parts}
+        names = own if names is None else names & own
+    return frozenset(names or ())
+
+
 def plan_topology(
     infos: Sequence[SourceInfo],
     members: Iterable[Member],
@@ -137,16 +158,31 @@ def plan_topology(
             raise PlanError(
                 f"trainer sources {infos[0].name!r} and {info.name!r} hold different parameter sets"
             )
-    plan = plan_buckets(wire_specs(specs, members), bucket_bytes, alignment=alignment)
-    slot_bytes = max(1, plan.max_bucket_bytes)
     staged = any(info.stages for info in infos)
+    # Parts go into staging slots: only when every source stages (a zero-copy source's
+    # parameters are its buckets' memory, one tensor each) and can pack rows.
+    split = all(info.stages and info.splits for info in infos)
+    parts = splittable(members) if split else frozenset()
+    plan = plan_buckets(
+        wire_specs(specs, members), bucket_bytes, alignment=alignment, splittable=parts
+    )
+    slot_bytes = max(1, plan.max_bucket_bytes)
     if staged and slot_bytes > budget_bytes:
         largest = max(plan.buckets, key=lambda b: b.nbytes)
-        what = (
-            f"parameter {largest.entries[0].name!r}"
-            if len(largest.entries) == 1
-            else f"bucket {largest.index}"
-        )
+        what = f"bucket {largest.index}"
+        if len(largest.entries) == 1:
+            entry = largest.entries[0]
+            what = f"parameter {entry.label!r}"
+            if entry.part is None and entry.name in parts:
+                what += ", one row of which is larger than a bucket"
+            elif entry.part is None:
+                refusing = sorted(
+                    m.name
+                    for m in members
+                    if not any(s.name == entry.name and s.parts for s in m.specs)
+                )
+                if refusing:
+                    what += f", which worker {refusing[0]!r} takes only whole"
         raise BudgetTooSmallError(budget_bytes, slot_bytes, what)
     topology = Topology(
         infos=tuple(infos),

@@ -70,6 +70,10 @@ class SourceInfo:
     (zero-copy slabs): it packs nothing into staging slots, so when no source of a
     coordinator stages, the staging budget bounds nothing and every bucket of a push
     may be in flight at once.
+
+    ``splits`` is whether the source can pack rows of a parameter (a part, see
+    :attr:`TensorEntry.part <asyncrefit.TensorEntry>`): parameters larger than a bucket
+    are split only when every source can, and every worker takes them in parts.
     """
 
     name: str
@@ -79,6 +83,7 @@ class SourceInfo:
     remote: frozenset[DeviceId] | None = frozenset()
     gathers: bool = False
     stages: bool = True
+    splits: bool = True
 
     def serves(self, device: DeviceId) -> bool:
         if self.remote is None or device in self.remote:

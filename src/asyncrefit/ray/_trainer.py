@@ -122,6 +122,7 @@ class RefitTrainerMixin:
         sharded: bool | None = None,
         gather_timeout: float | None = None,
         node: str | None = None,
+        checkpoint_names: bool = True,
     ) -> None:
         """Publish ``parameters`` (read afresh at every push) from this actor's node.
 
@@ -132,6 +133,8 @@ class RefitTrainerMixin:
         :func:`~asyncrefit.strip_wrappers`, or a callable). ``name`` names the source
         in its own errors (default ``"trainer"``, or ``"rank-<rank>"`` for a rank).
         ``node`` is the node the slots live on (default this actor's Ray node id).
+        ``checkpoint_names``: a ``transformers`` model is pushed under its checkpoint's
+        names and layout (see :class:`~asyncrefit.LocalTrainer`).
 
         ``sharded`` picks the source: by default a rank of a sharded trainer (some
         parameter is a ``DTensor``; a callable is called once to look) is served by a
@@ -166,6 +169,7 @@ class RefitTrainerMixin:
                 name=name,
                 names=names,
                 timeout=60.0 if gather_timeout is None else gather_timeout,
+                checkpoint_names=checkpoint_names,
             )
         else:
             self._refit_source_ = LocalTrainer(
@@ -175,6 +179,7 @@ class RefitTrainerMixin:
                 node=where,
                 name="trainer" if name is None else name,
                 names=names,
+                checkpoint_names=checkpoint_names,
             )
 
     @property

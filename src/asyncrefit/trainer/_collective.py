@@ -6,6 +6,7 @@ group, the handles, the workers' importer).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from ._local import LocalTrainer, TensorsLike
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, Plan
+    from .._plan import Bucket, ParamSpec, Plan
 
 
 class CollectiveTrainer(LocalTrainer):
@@ -107,14 +108,10 @@ class CollectiveTrainer(LocalTrainer):
         """Where the slots live and the broadcasts start: the CPU (gloo) or the GPU (NCCL)."""
         return self._root.device
 
-    async def describe(self) -> SourceInfo:
-        return SourceInfo(
-            name=self._name,
-            node=self._node,
-            devices=frozenset(),
-            specs=self.specs(),
-            remote=self._remote,
-        )
+    def _info(self, specs: tuple[ParamSpec, ...]) -> SourceInfo:
+        # No device of its own (it shares no memory with its workers): it reaches them
+        # by the collective.
+        return dataclasses.replace(super()._info(specs), devices=frozenset(), remote=self._remote)
 
     async def prepare(
         self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False

@@ -262,6 +262,9 @@ class ConvertingSource(_SlotSource):
     any worker is sent that bucket.
     """
 
+    # The conversion yields whole tensors by name: a parameter is never packed in parts.
+    _splits = False
+
     def __init__(
         self,
         specs: SpecsLike,

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._gather import gather_into
+from ._gather import gather_into, gather_rows_into
 from ._local import LocalTrainer, NamesLike, TensorsLike
+from ._slices import Piece, Slices, is_plain, view_of
 
 if TYPE_CHECKING:
     import torch
 
     from .._device import DeviceId
+    from .._plan import Bucket
     from ..transport._base import Exporter
 
 
@@ -66,6 +68,7 @@ class DTensorSource(LocalTrainer):
         name: str | None = None,
         names: NamesLike | None = None,
         timeout: float = 60.0,
+        checkpoint_names: bool = True,
     ) -> None:
         super().__init__(
             parameters,
@@ -74,11 +77,59 @@ class DTensorSource(LocalTrainer):
             node=node,
             name=name if name is not None else _default_name(),
             names=names,
+            checkpoint_names=checkpoint_names,
         )
         self._timeout = timeout
+        # The rows of a sharded tensor gathered last, while a bucket is packed:
+        # ((id, lo, hi, dtype), the tensor, the rows).
+        self._rows: tuple[tuple[int, int, int, Any], Any, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"<DTensorSource {self._name!r} node={self._node} exporter={self._exporter!r}>"
 
-    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-        gather_into(tensor, dst, timeout=self._timeout, name=repr(name))
+    def _fill(self, bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+        try:
+            return super()._fill(bucket, buffer)
+        finally:
+            self._rows = None  # the rows gathered last are not kept between buckets
+
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
+        if isinstance(tensor, Slices):
+            tensor.copy_into(
+                dst, lambda out, source, piece: self._copy_piece(out, source, piece, name)
+            )
+        else:
+            gather_into(tensor, dst, timeout=self._timeout, name=repr(name))
+
+    def _copy_piece(self, out: torch.Tensor, source: Any, piece: Piece, name: str) -> None:
+        """Write ``piece`` of ``source`` into ``out``: gather only the rows it reads.
+
+        Rows read as they are go straight into ``out``; otherwise they are gathered
+        into a temporary, kept until the next piece that reads other rows (so that one
+        expert's ``w1`` and ``w3`` of a fused ``gate_up`` gather its rows once).
+        """
+        import torch
+
+        if is_plain(source):
+            out.copy_(view_of(source, piece))
+            return
+        if not piece.source_shape:  # a scalar: gather it whole
+            whole = torch.empty((), dtype=out.dtype, device=out.device)
+            gather_into(source, whole, timeout=self._timeout, name=repr(name))
+            out.copy_(whole)
+            return
+        lo, hi = piece.rows()
+        if piece == Piece.of(piece.source, piece.source_shape).narrow(lo, hi):
+            if out.is_contiguous():
+                gather_rows_into(source, lo, hi, out, timeout=self._timeout, name=repr(name))
+                return
+        key = (id(source), lo, hi, out.dtype)
+        rows = self._rows
+        if rows is None or rows[0] != key or rows[1] is not source:
+            self._rows = None
+            temp = torch.empty(
+                (hi - lo, *piece.source_shape[1:]), dtype=out.dtype, device=out.device
+            )
+            gather_rows_into(source, lo, hi, temp, timeout=self._timeout, name=repr(name))
+            rows = self._rows = (key, source, temp)
+        out.copy_(view_of(rows[2], piece.within(lo)))

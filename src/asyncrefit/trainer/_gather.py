@@ -189,3 +189,55 @@ def _gather_level(
             target.narrow(d, offset, size).copy_(gathered[rank].narrow(d, 0, size))
         offset += size
     return target
+
+
+def gather_rows_into(
+    tensor: Any, lo: int, hi: int, out: torch.Tensor, *, timeout: float, name: str = ""
+) -> None:
+    """Write rows ``lo:hi`` (dimension 0) of ``tensor``'s full value into ``out``.
+
+    ``out`` is contiguous, of shape ``[hi - lo, *tensor.shape[1:]]``, in any floating
+    dtype. A ``DTensor`` sharded along dimension 0 over one mesh dimension (FSDP2's
+    ``Shard(0)``, even or not; other mesh dimensions replicated or of one rank) sends
+    only those rows: each rank holding some of them broadcasts them, cast, straight
+    into their place in ``out``, so no rank needs more than ``out``. Any other layout
+    is gathered whole into a temporary first (about the tensor's size). Every rank of
+    the mesh must call it alike. Raises :class:`GatherError` as :func:`gather_into`.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        out.copy_(tensor[lo:hi])
+        return
+    levels = _levels(tensor)
+    split = [level for level in levels if len(level.sizes) > 1]
+    local: torch.Tensor = tensor.to_local()
+    if not split:
+        out.copy_(local[lo:hi])
+        return
+    if len(split) > 1 or split[0].dim != 0:
+        full = torch.empty(tuple(tensor.shape), dtype=out.dtype, device=out.device)
+        gather_into(tensor, full, timeout=timeout, name=name)
+        out.copy_(full[lo:hi])
+        return
+    level = split[0]
+    mesh = tensor.device_mesh
+    group = mesh.get_group(level.mesh_dim)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # _levels checked it
+    mine = coordinate[level.mesh_dim]
+    what = f"gathering rows {lo}:{hi} of {name or 'a parameter'}"
+    start = 0
+    for rank, size in enumerate(level.sizes):
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            region = out[a - lo : b - lo]
+            if rank == mine:
+                region.copy_(local[a - start : b - start])
+            work = dist.broadcast(
+                region, src=dist.get_global_rank(group, rank), group=group, async_op=True
+            )
+            _wait(work, timeout, what)
+        start += size

@@ -25,6 +25,8 @@ from .._names import as_name_map, engine_named
 from .._plan import ParamSpec
 from .._worker import SourceInfo
 from ..transport._base import Exporter, Handle, OrderingExporter
+from ._checkpoint import CheckpointLayout, is_transformers_model
+from ._slices import Slices, copy_plain, rows_of
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +63,8 @@ class _SourceBase:
     _gathers = False
     #: Whether buckets are packed into staging slots (see SourceInfo).
     _stages = True
+    #: Whether rows of a parameter can be packed as a part (see SourceInfo).
+    _splits = True
 
     def __init__(
         self,
@@ -124,6 +128,7 @@ class _SourceBase:
             specs=specs,
             gathers=self._gathers,
             stages=self._stages,
+            splits=self._splits,
         )
 
     async def _close_in_thread(self, close: Callable[[], None]) -> None:
@@ -186,13 +191,23 @@ class _InProcessSource(_SourceBase):
         node: str | None,
         name: str,
         names: NamesLike | None = None,
+        checkpoint_names: bool = True,
     ) -> None:
         super().__init__(devices=devices, node=node, name=name)
         trainer_named = _reader(parameters)
         names_map = as_name_map(names)
+        layout = (
+            CheckpointLayout(parameters, source=name)
+            if checkpoint_names and is_transformers_model(parameters)
+            else None
+        )
+        self.checkpoint_layout = layout
 
         def engine_tensors() -> Mapping[str, torch.Tensor]:
-            return engine_named(trainer_named(), names_map, source=name)
+            tensors = trainer_named()
+            if layout is not None:
+                tensors = layout(tensors)
+            return engine_named(tensors, names_map, source=name)
 
         self._tensors = engine_tensors
         # The tensors as read by the last describe (the start of a push): walking a
@@ -238,7 +253,8 @@ class _InProcessSource(_SourceBase):
     def _tensor(
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
-        """The tensor of ``entry``, still of the shape and dtype it was described with.
+        """The tensor of ``entry``'s parameter (whole), still of the shape and dtype it
+        was described with: a tensor, or :class:`Slices` of the trainer's tensors.
 
         The entry's dtype is the engine's; the tensor's may differ (the pack casts).
         """
@@ -248,13 +264,14 @@ class _InProcessSource(_SourceBase):
         got = (tuple(tensor.shape), dtype_name(tensor.dtype))
         described = self._described.get(entry.name)
         want_dtype = described.dtype if described is not None else entry.dtype
-        if got != (entry.shape, want_dtype):
+        want_shape = described.shape if described is not None else entry.shape
+        if got != (want_shape, want_dtype):
             raise PackError(
                 self._name,
                 bucket,
                 entry.name,
                 f"changed shape or dtype mid-push: {got[1]}{list(got[0])} now, "
-                f"{want_dtype}{list(entry.shape)} planned",
+                f"{want_dtype}{list(want_shape)} planned",
             )
         return tensor
 
@@ -425,6 +442,16 @@ class LocalTrainer(_InProcessSource, _SlotSource):
     workers hold them in, cast in the pack copy (fp32 master weights to a bf16
     engine); only floating-point dtypes are cast.
 
+    A ``transformers`` model (``PreTrainedModel``) is pushed under its checkpoint's
+    names and layout, as ``save_pretrained`` would write it and as vLLM loads it:
+    transformers' own conversion (``revert_weight_conversion``) is traced once per
+    parameter set (see :mod:`asyncrefit.trainer._checkpoint`), and each checkpoint
+    tensor is packed straight from the trainer tensor it is a slice of (one expert of
+    a fused expert tensor), without a copy of its own. ``names`` then applies to the
+    checkpoint names. ``checkpoint_names=False`` pushes the in-memory names instead.
+    A parameter larger than a bucket is packed in parts (rows) when every worker
+    takes it so.
+
     Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
     (also on every error path of the coordinator that owns this source), off the event
     loop and after a pack still running, also when ``aclose`` is cancelled; a source
@@ -432,7 +459,9 @@ class LocalTrainer(_InProcessSource, _SlotSource):
 
     Error handling: a parameter that cannot be packed (it disappeared, changed shape or
     dtype, or its copy failed) raises :class:`~asyncrefit.PackError` naming this
-    source, the bucket and the parameter, with the underlying error chained.
+    source, the bucket and the parameter, with the underlying error chained. A
+    ``transformers`` conversion that cannot be read as slices of the trainer's
+    tensors raises :class:`~asyncrefit.ConversionError` (before any byte moves).
     """
 
     def __init__(
@@ -444,8 +473,16 @@ class LocalTrainer(_InProcessSource, _SlotSource):
         node: str | None = None,
         name: str = "trainer",
         names: NamesLike | None = None,
+        checkpoint_names: bool = True,
     ) -> None:
-        super().__init__(parameters, devices=devices, node=node, name=name, names=names)
+        super().__init__(
+            parameters,
+            devices=devices,
+            node=node,
+            name=name,
+            names=names,
+            checkpoint_names=checkpoint_names,
+        )
         self._init_slots(exporter)
 
     def __repr__(self) -> str:
@@ -456,15 +493,20 @@ class LocalTrainer(_InProcessSource, _SlotSource):
 
         tensors = self._read()
         flat, shaped = self._entry_views(bucket, buffer)
-        sources = []
+        sources: list[torch.Tensor | Slices] = []
         for e in bucket.entries:
             with self._packing(bucket.index, e):
-                sources.append(self._tensor(tensors, bucket.index, e))
-        if type(self)._copy_into is LocalTrainer._copy_into and _one_call(buffer, bucket):
+                sources.append(rows_of(self._tensor(tensors, bucket.index, e), e.part))
+        plain = [t for t in sources if isinstance(t, torch.Tensor)]
+        if (
+            type(self)._copy_into is LocalTrainer._copy_into
+            and _one_call(buffer, bucket)
+            and len(plain) == len(sources)
+        ):
             # One call for the bucket's copies (and casts): the host's cost per tensor,
             # not the bytes, bounds a GPU pack of many small tensors.
             try:
-                torch._foreach_copy_(shaped, sources)
+                torch._foreach_copy_(shaped, plain)
                 return flat
             except Exception:
                 pass  # copy one by one below: the failure then names its parameter
@@ -473,6 +515,9 @@ class LocalTrainer(_InProcessSource, _SlotSource):
                 self._copy_into(dst, tensor, e.name)
         return flat
 
-    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
         """Write ``tensor``'s value into its place ``dst`` (cast to ``dst``'s dtype)."""
-        dst.copy_(tensor)
+        if isinstance(tensor, Slices):
+            tensor.copy_into(dst, copy_plain)
+        else:
+            dst.copy_(tensor)

@@ -155,7 +155,16 @@ class _SlabSource(_InProcessSource, Generic[_S]):
         name: str,
         names: NamesLike | None,
     ) -> None:
-        super().__init__(parameters, devices=devices, node=node, name=name, names=names)
+        # The parameters are re-homed into the slabs one by one: they are pushed under
+        # their own names (a checkpoint layout's views would not be parameters).
+        super().__init__(
+            parameters,
+            devices=devices,
+            node=node,
+            name=name,
+            names=names,
+            checkpoint_names=False,
+        )
         self._generation = 0
         self._slabs: dict[int, _S] = {}
         self._addresses: dict[str, int] = {}  # parameter -> its data in its slab
