@@ -41,13 +41,13 @@ _ARCH: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        {"num_experts": 4, "moe_intermediate_size": 64, "head_dim": 64},
+        {"num_experts": 4, "moe_intermediate_size": 128, "head_dim": 64},
     ),
     # with a shared expert beside the routed ones
     "qwen2_moe": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
-        {"num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128},
+        {"num_experts": 4, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
     ),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "eos_token_id": 1}),
@@ -81,7 +81,7 @@ def make_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     if moe:
         moe = {"num_experts_per_tok": 2, **moe}
     torch.manual_seed(seed)
-    config = getattr(transformers, config_name)(**COMMON, **moe, **overrides)
+    config = getattr(transformers, config_name)(**{**COMMON, **moe, **overrides})
     return getattr(transformers, model_name)(config).eval()
 
 

@@ -92,6 +92,56 @@ async def test_cancel_at_every_scheduling_point_with_fake_workers() -> None:
         assert cancelled >= 10, "the push finished too soon to test anything"
 
 
+async def test_cancel_at_every_scheduling_point_moe_under_checkpoint_names() -> None:
+    """An MoE trainer's fused experts pushed one expert at a time (a budget below one
+    fused expert tensor): a worker's complete version is always the trainer's
+    checkpoint tensors of that version, bitwise."""
+    pytest.importorskip("transformers.core_model_loading")
+    import torch
+
+    from .moe_models import checkpoint_tensors, fused_expert_bytes, make_model
+
+    model = make_model("mixtral", num_hidden_layers=1, hidden_size=64, intermediate_size=64)
+    workers = [
+        FakeWorker(
+            name=f"w{i}",
+            device=cpu_device(i),
+            parameters={n: torch.zeros_like(t) for n, t in checkpoint_tensors(model).items()},
+        )
+        for i in range(2)
+    ]
+
+    def state() -> dict[str, str]:
+        return {n: tensor_digest(t) for n, t in checkpoint_tensors(model).items()}
+
+    budget = fused_expert_bytes(model) // 2
+    async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=budget) as refit:
+        await refit.push(1)
+        tasks_before = len(asyncio.all_tasks())
+        segments = set(own_segments())
+        history = {1: state()}
+        version, k, cancelled = 1, 0, 0
+        while True:
+            version += 1
+            step(model, version)
+            history[version] = state()
+            finished = await push_cancelled_after(refit, version, k)
+            await check_clean(refit, tasks_before, segments)
+            for w in workers:
+                held = await w.weight_version()
+                if held is not None:
+                    assert w.receiver.digests() == history[held], (k, w.name, held)
+            if finished:
+                break
+            cancelled += 1
+            version += 1
+            history[version] = history[version - 1]
+            await refit.push(version)
+            assert all(w.receiver.digests() == history[version] for w in workers)
+            k += 1
+        assert cancelled >= 10, "the push finished too soon to test anything"
+
+
 async def test_cancel_at_every_scheduling_point_zero_copy() -> None:
     model = make_mlp()
     workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]

@@ -63,11 +63,13 @@ with warnings.catch_warnings():
 from .vllm_models import (
     ENGINE_KWARGS,
     PROMPTS,
+    block_size,
     engine_processes,
     greedy,
     load_trainer,
     make_checkpoint,
     perturb,
+    prefixed,
 )
 
 pytestmark = [
@@ -517,19 +519,6 @@ async def test_async_llm_refuses_another_loop(async_llm: AsyncLLM) -> None:
 
 
 # --- the prefix cache ------------------------------------------------------------------
-
-
-def prefixed(block_size: int) -> list[list[int]]:
-    """PROMPTS behind one shared prefix longer than two KV blocks (a system prompt)."""
-    prefix = [(37 * i + 11) % 500 + 1 for i in range(2 * block_size + 40)]
-    assert len(prefix) + max(map(len, PROMPTS)) + TOKENS <= ENGINE_KWARGS["max_model_len"]
-    return [prefix + p for p in PROMPTS]
-
-
-def block_size(engine: Any) -> int:
-    config = engine.vllm_config if hasattr(engine, "vllm_config") else engine.llm_engine.vllm_config
-    assert config.cache_config.enable_prefix_caching  # vLLM's default: the case RL runs
-    return int(config.cache_config.block_size)
 
 
 def llm_tokens(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -47,6 +47,7 @@ with warnings.catch_warnings():
 from asyncrefit.tools._machine import free_port
 
 from . import vllm_amx
+from .moe_models import fused_expert_bytes, make_model
 from .vllm_models import (
     ENGINE_KWARGS,
     PROMPTS,
@@ -172,10 +173,20 @@ async def follow(
         before = got
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-async def test_fsdp2_ranks_push_into_vllm_greedy_follows_the_gathered_model(tied: bool) -> None:
+@pytest.mark.parametrize("model", ["llama", "llama-tied", "qwen3_moe"])
+async def test_fsdp2_ranks_push_into_vllm_greedy_follows_the_gathered_model(model: str) -> None:
+    """Dense (untied and tied) and MoE: the MoE trainer's fused experts, sharded along
+    the experts by ``fully_shard``, go one expert at a time, gathered from the rank
+    that holds it, with a budget below one fused expert tensor."""
+    budget = BUDGET
     with tempfile.TemporaryDirectory() as directory:
-        checkpoint = make_checkpoint(Path(directory) / "tiny-llama", tied=tied)
+        if model == "qwen3_moe":
+            checkpoint = Path(directory) / "tiny-qwen3-moe"
+            moe = make_model("qwen3_moe")
+            moe.save_pretrained(checkpoint)
+            budget = fused_expert_bytes(moe.to(getattr(torch, DTYPE))) * 3 // 4
+        else:
+            checkpoint = make_checkpoint(Path(directory) / "tiny-llama", tied=model == "llama-tied")
         plan = RankPlan(
             world=2,
             port=free_port(),
@@ -191,7 +202,7 @@ async def test_fsdp2_ranks_push_into_vllm_greedy_follows_the_gathered_model(tied
                 asked = time.monotonic()
                 ranks.ask(1)  # the coordinator describes the ranks on entry: step 1 first
                 async with RefitCoordinator(
-                    trainer=sources, workers=workers, budget_bytes=BUDGET, verify=True
+                    trainer=sources, workers=workers, budget_bytes=budget, verify=True
                 ) as refit:
                     assert refit.plan is not None and len(refit.plan.buckets) > 2
                     try:

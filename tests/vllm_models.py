@@ -86,6 +86,19 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def prefixed(block_size: int) -> list[list[int]]:
+    """PROMPTS behind one shared prefix longer than two KV blocks (a system prompt)."""
+    prefix = [(37 * i + 11) % 500 + 1 for i in range(2 * block_size + 40)]
+    assert len(prefix) + max(map(len, PROMPTS)) + 16 <= ENGINE_KWARGS["max_model_len"]
+    return [prefix + p for p in PROMPTS]
+
+
+def block_size(engine: Any) -> int:
+    config = engine.vllm_config if hasattr(engine, "vllm_config") else engine.llm_engine.vllm_config
+    assert config.cache_config.enable_prefix_caching  # vLLM's default: the case RL runs
+    return int(config.cache_config.block_size)
+
+
 @torch.no_grad()
 def greedy(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]], tokens: int

@@ -25,6 +25,13 @@ Only processing known to derive its state from the tensors without changing them
 re-run (:data:`REDERIVABLE`); for any other the update fails with
 :class:`~asyncrefit.StaleWeightsError` instead of reporting success.
 
+MoE layers have one more step that the reload skips: once an expert kernel exists,
+vLLM's weight update does not run the kernel's own repacking
+(``fused_experts.process_weights_after_loading``), so on vLLM's CPU build the grouped
+gemm would read the new weights in the checkpoint's layout as if they were packed.
+:func:`repack` runs it for the MoE layers the update wrote, after the finalize, for the
+kernels known to repack from the checkpoint's layout (:data:`REPACKING_EXPERTS`).
+
 This module imports torch and vLLM: only vLLM worker processes import it.
 """
 
@@ -42,10 +49,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = (
     "REDERIVABLE",
+    "REPACKING_EXPERTS",
+    "RepackedExperts",
     "Review",
     "SharedLayer",
     "check",
     "refresh",
+    "repack",
     "restore_unfinished",
     "review",
 )
@@ -57,6 +67,23 @@ __all__ = (
 #: embedding method (the one of ``VocabParallelEmbedding`` and ``ParallelLMHead``) packs
 #: the weight for the CPU gemm and does nothing elsewhere.
 REDERIVABLE: frozenset[str] = frozenset({"UnquantizedEmbeddingMethod"})
+
+#: Names of MoE expert kernels (``quant_method.moe_kernel.fused_experts`` types) whose
+#: ``process_weights_after_loading`` repacks a layer's ``w13_weight`` and ``w2_weight``
+#: into the kernel's own layout, from the checkpoint's layout, and that vLLM (0.32)
+#: does not run again on a weight update (``_setup_kernel`` skips it once a kernel
+#: exists): the engine's CPU build, whose grouped gemm then reads unpacked weights.
+#: asyncrefit runs it again after the reload, as start-up did. Another expert kernel
+#: that repacks is refused (:class:`~asyncrefit.StaleWeightsError`) rather than left
+#: reading a stale packed copy.
+REPACKING_EXPERTS: frozenset[str] = frozenset(
+    {
+        "CPUUnquantizedExperts",
+        "X86CPUUnquantizedExperts",
+        "ArmCPUUnquantizedExperts",
+        "PowerCPUUnquantizedExperts",
+    }
+)
 
 _StorageKey = tuple[str, int]
 
@@ -93,11 +120,33 @@ def _kernel_tensors(info: object) -> Iterator[torch.Tensor]:
 
 
 @dataclass(frozen=True, slots=True)
+class RepackedExperts:
+    """A MoE layer written by this update whose expert kernel repacks its weights."""
+
+    name: str
+    layer: torch.nn.Module
+    experts: object
+
+
+def _repacking_experts(layer: torch.nn.Module) -> object | None:
+    """The layer's MoE expert kernel if it repacks weights after loading, else ``None``."""
+    method = getattr(layer, "quant_method", None)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if experts is None:
+        return None
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    own = type(experts).process_weights_after_loading
+    return experts if own is not FusedMoEExperts.process_weights_after_loading else None
+
+
+@dataclass(frozen=True, slots=True)
 class Review:
     """What :func:`review` found: layers to renew, and layers that cannot follow."""
 
     shared: tuple[SharedLayer, ...] = ()
     unfed: tuple[tuple[str, str], ...] = ()  # (layer, its processing)
+    repacked: tuple[RepackedExperts, ...] = ()
 
 
 def review(model: torch.nn.Module) -> Review:
@@ -114,8 +163,13 @@ def review(model: torch.nn.Module) -> Review:
 
     written: dict[_StorageKey, str] = {}
     untouched: list[tuple[str, torch.nn.Module, list[_StorageKey], bool]] = []
+    repacked: list[RepackedExperts] = []
     for name, layer in model.named_modules():
         info = layerwise.get_layerwise_info(layer)
+        if not info.can_load() or info.load_numel > 0:
+            experts = _repacking_experts(layer)  # written (or without tensors: none)
+            if experts is not None:
+                repacked.append(RepackedExperts(name=name, layer=layer, experts=experts))
         if not info.can_load():
             tensors: Iterable[torch.Tensor] = _tensors(layer)  # processed while loading
         elif info.load_numel > 0:
@@ -138,7 +192,7 @@ def review(model: torch.nn.Module) -> Review:
         processing = _processing(layer)
         if loadable and processing is not None and not _is_attention(layer):
             unfed.append((name, processing))
-    return Review(shared=tuple(shared), unfed=tuple(unfed))
+    return Review(shared=tuple(shared), unfed=tuple(unfed), repacked=tuple(repacked))
 
 
 def _is_attention(layer: torch.nn.Module) -> bool:
@@ -174,10 +228,36 @@ def _unrenewable(s: SharedLayer) -> StaleWeightsError | None:
     )
 
 
+def _unrepackable(r: RepackedExperts) -> StaleWeightsError | None:
+    kind = type(r.experts).__name__
+    if kind not in REPACKING_EXPERTS:
+        return StaleWeightsError(
+            r.name,
+            f"its MoE expert kernel ({kind}) repacks the weights after loading, which "
+            "vLLM does not repeat on a weight update, and asyncrefit does not know it to "
+            "be safe to run again",
+        )
+    padded = getattr(r.experts, "_padded_intermediate_size", None)
+    config = getattr(r.experts, "moe_config", None)
+    size = getattr(config, "intermediate_size_per_partition", None)
+    if callable(padded) and config is not None and padded(config) != size:
+        return StaleWeightsError(
+            r.name,
+            f"its MoE expert kernel ({kind}) pads the intermediate size from {size} to "
+            f"{padded(config)} when it repacks, which cannot be repeated on a weight update",
+        )
+    return None
+
+
 def check(found: Review) -> None:
     """Raise :class:`StaleWeightsError` for the first layer that would serve stale
-    weights after the update: a shared one :func:`refresh` cannot renew, or one whose
-    processed tensors the update did not reach."""
+    weights after the update: a shared one :func:`refresh` cannot renew, one whose
+    processed tensors the update did not reach, or MoE experts :func:`repack` cannot
+    repack."""
+    for r in found.repacked:
+        error = _unrepackable(r)
+        if error is not None:
+            raise error
     for s in found.shared:
         error = _unrenewable(s)
         if error is not None:
@@ -240,6 +320,25 @@ def _refresh_one(s: SharedLayer) -> None:
             s.sources,
         )
     logger.debug("layer %s: processing re-run on tensors shared with %s", s.name, s.sources)
+
+
+def repack(layers: Iterable[RepackedExperts], *, strict: bool = True) -> None:
+    """Run the expert kernel's repacking of every MoE layer written by the update, after
+    ``finalize_layerwise_reload`` (which left their weights in the checkpoint's layout,
+    see :data:`REPACKING_EXPERTS`). ``strict``: raise :class:`StaleWeightsError` for
+    one that cannot be repacked (else logged: an abort, the worker holds no version)."""
+    for r in layers:
+        try:
+            error = _unrepackable(r)
+            if error is not None:
+                raise error
+            with torch.no_grad():
+                r.experts.process_weights_after_loading(r.layer)  # type: ignore[attr-defined]
+            logger.debug("layer %s: expert weights repacked", r.name)
+        except StaleWeightsError:
+            if strict:
+                raise
+            logger.error("layer %s may serve stale expert weights", r.name, exc_info=True)
 
 
 def restore_unfinished(model: torch.nn.Module) -> None:

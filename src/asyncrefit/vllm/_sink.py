@@ -135,6 +135,7 @@ class ReloadSink:
         self._declared: Declared | None = None
         self._commit: tuple[int, int] | None = None
         self._shared: list[_reload.SharedLayer] = []
+        self._repacked: list[_reload.RepackedExperts] = []
 
     def __repr__(self) -> str:
         return f"<ReloadSink reloading={self.reloading} commit={self._commit}>"
@@ -193,6 +194,7 @@ class ReloadSink:
         found = _reload.review(self._target.model)
         _reload.check(found)
         self._shared = list(found.shared)
+        self._repacked = list(found.repacked)
         self._commit = (version, buckets)
         return False  # complete once the reload is finalized (finish)
 
@@ -218,6 +220,7 @@ class ReloadSink:
 
         self._commit = None
         self._shared = []
+        self._repacked = []
         initialize_layerwise_reload(self._target.model)
         self.reloading = True
 
@@ -229,6 +232,7 @@ class ReloadSink:
         """
         commit, self._commit = self._commit, None
         shared, self._shared = self._shared, []
+        repacked, self._repacked = self._repacked, []
         if not self.reloading or commit is None:
             return None
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -240,6 +244,7 @@ class ReloadSink:
                 self.faults.fail_finalize = False
                 raise RuntimeError("injected fault: finalize_layerwise_reload failed")
             finalize_layerwise_reload(target.model, target.model_config)  # type: ignore[no-untyped-call, unused-ignore]
+            _reload.repack(repacked)
             _reload.refresh(shared)
         except BaseException:
             _reload.restore_unfinished(target.model)
@@ -260,8 +265,10 @@ class ReloadSink:
         model = self._target.model
         self.reloading = False
         self._shared = []
-        shared = _reload.review(model).shared
+        self._repacked = []
+        found = _reload.review(model)
         restore = getattr(layerwise, "_place_kernel_tensors", None)
+        restored: set[int] = set()
         for layer in model.modules():
             info = layerwise.get_layerwise_info(layer)
             partial = (
@@ -272,10 +279,15 @@ class ReloadSink:
             if partial and restore is not None:
                 restore(layer, info)
                 info.reset()  # type: ignore[no-untyped-call, unused-ignore]
+                restored.add(id(layer))
         try:
             finalize_layerwise_reload(model, self._target.model_config)  # type: ignore[no-untyped-call, unused-ignore]
         except BaseException:
             _reload.restore_unfinished(model)
             raise
-        # Whatever was written stays: layers sharing it must not serve older copies.
-        _reload.refresh(shared, strict=False)
+        # Whatever was written stays: layers sharing it must not serve older copies,
+        # and expert kernels must read it in their own layout.
+        # (A layer given its previous tensors back has them packed already.)
+        repacked = [r for r in found.repacked if id(r.layer) not in restored]
+        _reload.repack(repacked, strict=False)
+        _reload.refresh(found.shared, strict=False)
