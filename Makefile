@@ -20,7 +20,11 @@ CORE_VENV  ?= .venv-core
 CORE_BIN   := $(CORE_VENV)/bin
 CORE_STAMP := $(CORE_VENV)/.installed
 
-.PHONY: demo test lint check bench quickstart clean
+# The oldest and newest transformers releases the checkpoint-layout tests run against
+# (make test runs the one vLLM pins); each in a venv of its own.
+TRANSFORMERS_VERSIONS ?= 5.0.0 5.25.0
+
+.PHONY: demo test test-transformers lint check bench quickstart clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +85,22 @@ quickstart: $(CORE_STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
+# tests/test_checkpoint.py (a transformers model under its checkpoint's names) on the
+# oldest and newest supported transformers, without vLLM.
+test-transformers:
+	@for v in $(TRANSFORMERS_VERSIONS); do \
+	  venv=.venv-transformers-$$v; \
+	  if [ ! -f $$venv/.installed ]; then \
+	    rm -rf $$venv && $(PYTHON) -m venv $$venv && \
+	    $$venv/bin/python -m pip install -q --upgrade pip && \
+	    $$venv/bin/python -m pip install -q "$(TORCH)" && \
+	    $$venv/bin/python -m pip install -q -e ".[dev]" "transformers==$$v" && \
+	    touch $$venv/.installed || exit 1; \
+	  fi; \
+	  echo "transformers $$v:"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/test_checkpoint.py || exit 1; \
+	done
+
 # mypy reads vLLM's and Ray's types too, so lint needs the test install.
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
@@ -93,4 +113,4 @@ bench: $(STAMP)
 	$(BIN)/asyncrefit bench
 
 clean:
-	rm -rf $(VENV) $(CORE_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CORE_VENV) .venv-transformers-* .mypy_cache .ruff_cache .pytest_cache .hypothesis
