@@ -31,7 +31,7 @@ from asyncrefit.vllm import connect_llm, engine_args
 STEPS = 3
 TOKENS = 12
 SYSTEM = [(37 * i + 11) % 500 + 1 for i in range(300)]  # a long shared prefix
-PROMPTS = [SYSTEM + [1, 2, 3], SYSTEM + [40, 41], SYSTEM + [7, 8, 9, 10]]
+PROMPTS = [[*SYSTEM, 1, 2, 3], [*SYSTEM, 40, 41], [*SYSTEM, 7, 8, 9, 10]]
 
 
 def make_checkpoint(path: str) -> None:
