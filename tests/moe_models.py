@@ -13,20 +13,11 @@ from typing import Any
 
 import torch
 
-#: Dimensions every model shares (head_dim 64: vLLM's CPU attention rejects small heads).
-COMMON: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-    # Wide weights: logits far apart, so greedy tokens do not flip on the last-bit
-    # differences between vLLM's CPU kernels and transformers.
-    "initializer_range": 0.1,
-}
+from .vllm_models import CONFIG
+
+#: Dimensions every model shares: those of the dense vLLM test models (head_dim 64,
+#: wide weights so that greedy tokens do not flip on last-bit differences).
+COMMON: dict[str, Any] = dict(CONFIG)
 
 #: MoE architectures vLLM's CPU build serves (4 experts, top-2).
 VLLM_MOE = ("mixtral", "qwen3_moe", "qwen2_moe")

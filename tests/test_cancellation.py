@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import pytest
+import torch
 from anyio.lowlevel import checkpoint
 
 from asyncrefit import RefitCoordinator, SharedParameterTrainer, cpu_device
@@ -60,36 +61,48 @@ async def check_clean(refit: RefitCoordinator, tasks_before: int, segments: set[
     assert set(own_segments()) == segments  # the coordinator's own slots, nothing more
 
 
+async def cancel_at_every_point(
+    refit: RefitCoordinator,
+    workers: list[FakeWorker],
+    model: torch.nn.Module,
+    state: Callable[[], dict[str, str]],
+) -> None:
+    """Cancel pushes after 0, 1, 2, ... scheduling points until one completes; after
+    each, everything is clean, a worker's complete version is ``state()`` of that
+    version (the digests of what the trainer pushed), and the next push succeeds."""
+    await refit.push(1)
+    tasks_before = len(asyncio.all_tasks())
+    segments = set(own_segments())
+    history = {1: state()}
+    version, k, cancelled = 1, 0, 0
+    while True:
+        version += 1
+        step(model, version)
+        history[version] = state()
+        finished = await push_cancelled_after(refit, version, k)
+        await check_clean(refit, tasks_before, segments)
+        for w in workers:
+            held = await w.weight_version()
+            # a complete version is one whose bytes the worker really holds
+            if held is not None:
+                assert w.receiver.digests() == history[held], (k, w.name, held)
+        if finished:
+            break
+        cancelled += 1
+        # and the coordinator is still usable
+        version += 1
+        history[version] = history[version - 1]
+        await refit.push(version)
+        assert all(w.receiver.digests() == history[version] for w in workers)
+        k += 1
+    assert cancelled >= 10, "the push finished too soon to test anything"
+
+
 async def test_cancel_at_every_scheduling_point_with_fake_workers() -> None:
     model = make_mlp()
     workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(3)]
     async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
-        await refit.push(1)
-        tasks_before = len(asyncio.all_tasks())
-        segments = set(own_segments())
-        history = {1: {n: tensor_digest(p) for n, p in model.named_parameters()}}
-        version, k, cancelled = 1, 0, 0
-        while True:
-            version += 1
-            step(model, version)
-            history[version] = {n: tensor_digest(p) for n, p in model.named_parameters()}
-            finished = await push_cancelled_after(refit, version, k)
-            await check_clean(refit, tasks_before, segments)
-            for w in workers:
-                held = await w.weight_version()
-                # a complete version is one whose bytes the worker really holds
-                if held is not None:
-                    assert w.receiver.digests() == history[held], (k, w.name, held)
-            if finished:
-                break
-            cancelled += 1
-            # and the coordinator is still usable
-            version += 1
-            history[version] = history[version - 1]
-            await refit.push(version)
-            assert all(w.equals(model) for w in workers)
-            k += 1
-        assert cancelled >= 10, "the push finished too soon to test anything"
+        await cancel_at_every_point(refit, workers, model, lambda: digests(model))
 
 
 async def test_cancel_at_every_scheduling_point_moe_under_checkpoint_names() -> None:
@@ -97,16 +110,15 @@ async def test_cancel_at_every_scheduling_point_moe_under_checkpoint_names() -> 
     fused expert tensor): a worker's complete version is always the trainer's
     checkpoint tensors of that version, bitwise."""
     pytest.importorskip("transformers.core_model_loading")
-    import torch
-
     from .moe_models import checkpoint_tensors, fused_expert_bytes, make_model
 
     model = make_model("mixtral", num_hidden_layers=1, hidden_size=64, intermediate_size=64)
+    shapes = checkpoint_tensors(model)
     workers = [
         FakeWorker(
             name=f"w{i}",
             device=cpu_device(i),
-            parameters={n: torch.zeros_like(t) for n, t in checkpoint_tensors(model).items()},
+            parameters={n: torch.zeros_like(t) for n, t in shapes.items()},
         )
         for i in range(2)
     ]
@@ -116,30 +128,7 @@ async def test_cancel_at_every_scheduling_point_moe_under_checkpoint_names() -> 
 
     budget = fused_expert_bytes(model) // 2
     async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=budget) as refit:
-        await refit.push(1)
-        tasks_before = len(asyncio.all_tasks())
-        segments = set(own_segments())
-        history = {1: state()}
-        version, k, cancelled = 1, 0, 0
-        while True:
-            version += 1
-            step(model, version)
-            history[version] = state()
-            finished = await push_cancelled_after(refit, version, k)
-            await check_clean(refit, tasks_before, segments)
-            for w in workers:
-                held = await w.weight_version()
-                if held is not None:
-                    assert w.receiver.digests() == history[held], (k, w.name, held)
-            if finished:
-                break
-            cancelled += 1
-            version += 1
-            history[version] = history[version - 1]
-            await refit.push(version)
-            assert all(w.receiver.digests() == history[version] for w in workers)
-            k += 1
-        assert cancelled >= 10, "the push finished too soon to test anything"
+        await cancel_at_every_point(refit, workers, model, state)
 
 
 async def test_cancel_at_every_scheduling_point_zero_copy() -> None:

@@ -49,3 +49,11 @@ def test_megatron_convert_example_pushes_converted_weights_into_vllm() -> None:
     assert "all pushes verified" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.strip().endswith("]")]
     assert sum(" ok [" in row for row in rows) == 3, done.stdout[-4000:]
+
+
+def test_moe_example_pushes_a_transformers_moe_model_into_vllm() -> None:
+    done = run_example("vllm_moe.py")
+    assert done.returncode == 0, done.stdout[-4000:]
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3, done.stdout[-4000:]
+    assert all(line.endswith("engine tokens == trainer tokens: True") for line in steps)

@@ -179,10 +179,8 @@ def plan_buckets(
         if any(d < 0 for d in spec.shape):
             raise PlanError(f"parameter {spec.name!r} has a negative dimension {spec.shape}")
         nbytes = spec.nbytes
-        itemsize = dtype_itemsize(spec.dtype)
         # Never below the element size, so every entry can be viewed as its dtype.
-        align = max(alignment, itemsize)
-        offset = _align(end, align)
+        offset = _align(end, max(alignment, dtype_itemsize(spec.dtype)))
         row = nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
         if nbytes > bucket_bytes and spec.name in splittable and 0 < row <= bucket_bytes:
             start = 0
@@ -226,10 +224,7 @@ def plan_buckets(
         bucket_bytes=bucket_bytes,
         alignment=alignment,
         fingerprint=fingerprint(specs),
-        params=tuple(
-            s if not s.parts else ParamSpec(name=s.name, shape=s.shape, dtype=s.dtype)
-            for s in specs
-        ),
+        params=tuple(specs),
     )
 
 

@@ -77,9 +77,9 @@ class ParameterSink:
 
     The parameters' shapes and dtypes are those of the tensors given here, for the
     sink's life (what it declares); each is taken whole or in parts (rows), so a
-    parameter larger than a bucket is sent in parts. The copies of a handle (views of the opened
-    buffer, paired with the parameters) are kept while its importer returns the same
-    buffer for it.
+    parameter larger than a bucket is sent in parts. The copies of a handle (views of
+    the opened buffer, paired with the parameters) are kept while its importer returns
+    the same buffer for it.
 
     Resource handling: views of at most :data:`MAX_VIEWED_BUFFERS` distinct buffers
     are kept, and read only while the importer still returns the very buffer they

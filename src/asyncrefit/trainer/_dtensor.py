@@ -43,6 +43,11 @@ class DTensorSource(LocalTrainer):
     travel). A tensor whose layout cannot be gathered in place (uneven shards, a
     dimension other than 0, a 2-D mesh) goes through one temporary of about its size:
     a rank needs at most the budget plus about the largest tensor of extra memory.
+    A part of a tensor (rows, when it is larger than a bucket) and a checkpoint tensor
+    that is a slice of a trainer tensor (one expert of a transformers model's fused
+    expert tensor) gather only the rows of dimension 0 they read: over ``Shard(0)``
+    the ranks holding them broadcast just those rows (straight into the slot, or into
+    a temporary of those rows that the next slice of the same rows reuses).
     On a mesh of one rank (a trainer of one process) nothing is gathered: each
     parameter is cast as it is copied into the slot, on the CPU or the GPU. Gathers
     run in a worker thread, off the event loop.

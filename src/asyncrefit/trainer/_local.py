@@ -201,7 +201,6 @@ class _InProcessSource(_SourceBase):
             if checkpoint_names and is_transformers_model(parameters)
             else None
         )
-        self.checkpoint_layout = layout
 
         def engine_tensors() -> Mapping[str, torch.Tensor]:
             tensors = trainer_named()
