@@ -7,11 +7,14 @@ the error programmatically and the message always says *what* and *where*.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import anyio
+
+_logger = logging.getLogger(__name__)
 
 
 class AsyncRefitError(Exception):
@@ -352,4 +355,16 @@ def one_error() -> Iterator[None]:
         primary = primary_error(group)
         if primary is None:
             raise
+        cancelled = anyio.get_cancelled_exc_class()
+        others = [e for e in _leaves(group) if e is not primary and not isinstance(e, cancelled)]
+        for other in others:
+            # Nothing is lost: the errors that did not win are logged, and named on the
+            # one raised (a note, shown with its traceback).
+            _logger.debug("besides %r: %r", primary, other, exc_info=other)
+        if others:
+            primary.add_note(
+                f"asyncrefit: {len(others)} more error(s) in the same task group: "
+                + "; ".join(f"{type(e).__name__}: {e}" for e in others[:4])
+                + (" ..." if len(others) > 4 else "")
+            )
         raise primary from None
