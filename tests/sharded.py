@@ -187,7 +187,8 @@ def layouts_main(rank: int, world: int, port: int, results: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from asyncrefit.trainer._gather import GatherError, gather_into, gather_rows_into
+    from asyncrefit._exceptions import GatherError
+    from asyncrefit.trainer._gather import gather_into, gather_rows_into
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

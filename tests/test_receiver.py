@@ -22,9 +22,9 @@ from asyncrefit import (
     plan_buckets,
     validate_worker,
 )
+from asyncrefit._exceptions import UpdateStateError
 from asyncrefit._plan import Bucket
 from asyncrefit._receiver import tensor_digest
-from asyncrefit._version import UpdateStateError
 from asyncrefit.transport import Importer, SharedMemoryExporter, SharedMemoryImporter, make_importer
 from asyncrefit.transport._base import Handle, dtype_name, torch_dtype
 

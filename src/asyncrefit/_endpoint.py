@@ -134,7 +134,7 @@ class Endpoint(Generic[AbortReply]):
     be read as it says (see :func:`~asyncrefit._layout.check_layout`), raises
     :class:`TransportError` before the sink sees it (no byte is written: the worker
     keeps its complete version); version mismatches raise
-    :class:`~asyncrefit._version.UpdateStateError`. :meth:`handle` answers every
+    :class:`~asyncrefit.UpdateStateError`. :meth:`handle` answers every
     failure with an :class:`ErrorReply` (its type name and message) and never raises.
     """
 

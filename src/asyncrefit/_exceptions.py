@@ -207,6 +207,14 @@ def remote_error(worker: str, remote_type: str, message: str) -> WorkerRemoteErr
     return _REMOTE_TYPES.get(remote_type, WorkerRemoteError)(worker, remote_type, message)
 
 
+class UpdateStateError(AsyncRefitError):
+    """A worker was asked to load or commit a version it is not receiving."""
+
+
+class GatherError(AsyncRefitError):
+    """A sharded trainer's gather cannot be done (an unsupported placement) or failed."""
+
+
 class IntegrityError(AsyncRefitError):
     """Bytes copied out of a bucket differ from what the trainer packed."""
 

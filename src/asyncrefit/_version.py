@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from ._exceptions import AsyncRefitError
-
-
-class UpdateStateError(AsyncRefitError):
-    """A worker was asked to load or commit a version it is not receiving."""
+from ._exceptions import UpdateStateError
 
 
 class VersionState:

@@ -20,12 +20,10 @@ import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._exceptions import GatherError
+
 if TYPE_CHECKING:
     import torch
-
-
-class GatherError(Exception):
-    """A gather cannot be done (an unsupported placement) or failed (a collective)."""
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:

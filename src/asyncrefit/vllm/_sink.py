@@ -26,10 +26,9 @@ from typing import Any, Protocol, cast
 import torch
 
 from .._checksum import verify_checksum
-from .._exceptions import AsyncRefitError
+from .._exceptions import AsyncRefitError, UpdateStateError
 from .._layout import Declared
 from .._plan import ParamSpec
-from .._version import UpdateStateError
 from ..transport._base import Handle, Importer, dtype_name, torch_dtype
 from . import _reload
 from ._wire import Aborted
@@ -120,7 +119,7 @@ class ReloadSink:
     no view is kept across buckets.
 
     Error handling: a begin or a bucket outside a reload raises
-    :class:`~asyncrefit._version.UpdateStateError`; a copy that fails its checksum
+    :class:`~asyncrefit.UpdateStateError`; a copy that fails its checksum
     raises :class:`~asyncrefit.IntegrityError` before it is loaded; a commit that would
     leave a layer stale raises :class:`~asyncrefit.StaleWeightsError`. Aborting a
     reload whose layers were partly loaded restores the layers that had not received
