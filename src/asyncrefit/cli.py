@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import traceback
 from collections.abc import Sequence
 
 from . import __version__
-from ._exceptions import AsyncRefitError
+from .tools._failure import report_failure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,27 +46,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bucket-mib", type=float, default=256.0, help="bucket size (256)")
     plan.add_argument("--size-mib", type=int, default=1024, help="synthetic set size (1024)")
     return parser
-
-
-def report_failure(command: str, exc: Exception, *, as_json: bool) -> int:
-    """Report that ``command`` failed with ``exc``; returns the exit status, 1.
-
-    With ``as_json``, stdout gets exactly one JSON object, ``{"verified": false,
-    "error": "<type>: <message>"}``, and nothing else, so a caller that parses stdout
-    always gets an answer. stderr gets one line for the library's own errors
-    (:class:`AsyncRefitError`) and the traceback, then that line, for anything else.
-    A group of one exception (as task groups raise) is told as that exception.
-    """
-    cause: BaseException = exc
-    while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
-        cause = cause.exceptions[0]
-    message = f"{type(cause).__name__}: {cause}"
-    if as_json:
-        print(json.dumps({"verified": False, "error": message}), flush=True)
-    if not isinstance(cause, AsyncRefitError):
-        traceback.print_exception(exc, file=sys.stderr)
-    print(f"asyncrefit {command} failed: {message}", file=sys.stderr)
-    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,8 +22,8 @@ import anyio
 
 from .._coordinator import RefitCoordinator
 from .._loop import backend_options
-from ..cli import report_failure
 from ..local._client import LocalWorker, spawn_local_workers
+from ._failure import report_failure
 from ._table import Column, table
 from ._verify import mismatches, module_digests
 from .demo_model import ModelConfig, build_model, copy_task_batch
@@ -333,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
     With ``--json`` stdout holds exactly one JSON object whatever happens: the result,
     or ``{"verified": false, "error": ...}`` when the demo raised any exception
     (starting workers, training, a push, verifying, rendering) or the arguments are
-    bad. Failures are also told on stderr (see :func:`asyncrefit.cli.report_failure`);
+    bad. Failures are also told on stderr (see :func:`asyncrefit.tools._failure.report_failure`);
     workers are stopped and shared memory released by :func:`run_demo` on every path.
 
     ``--metrics-port PORT`` serves the demo coordinator's Prometheus metrics on
