@@ -3,6 +3,14 @@
 The public API is re-exported here; everything in underscored modules is private.
 """
 
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch warns once per process when numpy is missing; numpy is not a dependency of
+    # asyncrefit, so its absence is not worth a warning in every worker process.
+    _warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch as _torch  # noqa: F401
+
 from ._adapters import register_adapter as register_adapter
 from ._budget import BudgetStatistics as BudgetStatistics
 from ._budget import ByteBudget as ByteBudget
