@@ -16,7 +16,7 @@ exception, cancellation included, pass through untouched.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,12 +65,15 @@ class PushRecorder:
     """The clock, events and account of one push of ``version``.
 
     ``started`` is when the push was called (before planning); every duration and
-    event time is a ``perf_counter`` reading of this process.
+    event time is a reading of ``clock`` (``time.perf_counter`` of this process).
     """
 
-    def __init__(self, events: EventHub, version: int) -> None:
+    def __init__(
+        self, events: EventHub, version: int, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.version = version
-        self.started = time.perf_counter()
+        self._clock = clock
+        self.started = clock()
         self.account = _PushAccount()
         self._events = events
         self._workers: tuple[str, ...] = ()
@@ -79,20 +82,20 @@ class PushRecorder:
 
     def planned(self, workers: Iterable[str]) -> None:
         """Planning ended (the plan stage's time); the push goes to ``workers``."""
-        self.account.plan = time.perf_counter() - self.started
+        self.account.plan = self._clock() - self.started
         self._workers = tuple(workers)
         self.account.handle_bytes = dict.fromkeys(self._workers, 0)
 
     @contextmanager
     def beginning(self, topology: Topology) -> Iterator[None]:
         """Time the block that tells every worker to begin; then :class:`PushBegun`."""
-        t = time.perf_counter()
+        t = self._clock()
         yield
-        self.account.begin = time.perf_counter() - t
+        self.account.begin = self._clock() - t
         if self._events:
             self._events.emit(
                 PushBegun(
-                    time=time.perf_counter(),
+                    time=self._clock(),
                     version=self.version,
                     workers=self._workers,
                     buckets=len(topology.plan.buckets),
@@ -104,9 +107,9 @@ class PushRecorder:
     @contextmanager
     def waiting_for_budget(self) -> Iterator[None]:
         """Time the block that waits for a bucket's budget grant."""
-        t = time.perf_counter()
+        t = self._clock()
         yield
-        self.account.wait_budget += time.perf_counter() - t
+        self.account.wait_budget += self._clock() - t
 
     def bucket(self, index: int, slot: int, payload: int) -> BucketRecorder:
         """The recorder of bucket ``index`` (``payload`` bytes) staged in ``slot``."""
@@ -115,9 +118,9 @@ class PushRecorder:
     @contextmanager
     def committing(self) -> Iterator[None]:
         """Time the block that has every worker commit."""
-        t = time.perf_counter()
+        t = self._clock()
         yield
-        self.account.commit = time.perf_counter() - t
+        self.account.commit = self._clock() - t
 
     # --- the end of a push ------------------------------------------------------------
 
@@ -126,7 +129,7 @@ class PushRecorder:
         if self._events and isinstance(error, WorkerError):
             self._events.emit(
                 WorkerFailed(
-                    time=time.perf_counter(),
+                    time=self._clock(),
                     version=self.version,
                     worker=error.worker,
                     error=type(error).__name__,
@@ -136,7 +139,7 @@ class PushRecorder:
 
     def committed(self, topology: Topology, peak_budget_bytes: int) -> RefitReport:
         """Every worker committed: emit :class:`PushCommitted`, return the report."""
-        seconds = time.perf_counter() - self.started
+        seconds = self._clock() - self.started
         plan = topology.plan
         if self._events:
             self._events.emit(
@@ -178,7 +181,7 @@ class PushRecorder:
             cause = type(exc).__name__
         else:  # cancelled: by the caller, or by closing the coordinator
             cause = "closed" if closed else "cancelled"
-        now = time.perf_counter()
+        now = self._clock()
         self._events.emit(
             PushAborted(
                 time=now,
@@ -209,9 +212,9 @@ class BucketRecorder:
     @contextmanager
     def packing(self) -> Iterator[None]:
         """Time the block that packs and exports the bucket; then :class:`BucketPacked`."""
-        t = time.perf_counter()
+        t = self._push._clock()
         yield
-        packed = time.perf_counter()
+        packed = self._push._clock()
         push = self._push
         push.account.pack += packed - t
         if push._events:
@@ -229,9 +232,9 @@ class BucketRecorder:
     @contextmanager
     def loading(self) -> Iterator[None]:
         """Time the block that sends the handles and awaits every ack."""
-        self.sent = time.perf_counter()
+        self.sent = self._push._clock()
         yield
-        self._push.account.load += time.perf_counter() - self.sent
+        self._push.account.load += self._push._clock() - self.sent
 
     def bucket_sent(self, worker: str, kind: str, handle_bytes: int) -> None:
         """``worker`` is sent ``handle_bytes`` of handles of transport ``kind``."""
@@ -245,7 +248,7 @@ class BucketRecorder:
         if push._events:
             push._events.emit(
                 BucketAcked(
-                    time=time.perf_counter(),
+                    time=self._push._clock(),
                     version=push.version,
                     bucket=self.index,
                     slot=self.slot,
