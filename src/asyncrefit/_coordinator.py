@@ -17,34 +17,32 @@ cancels a push in progress when it closes.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ._adapters import adapt
 from ._budget import BudgetStatistics, ByteBudget
 from ._device import DeviceId
+from ._discovery import as_sources, describe_sources, discover
 from ._exceptions import (
     AsyncRefitError,
     ClosedError,
     DuplicateWorkerError,
     PlanError,
-    WorkerDiedError,
-    WorkerProtocolError,
     one_error,
 )
 from ._ledger import Ledger, Member
 from ._messages import LoadSizes
-from ._plan import DEFAULT_ALIGNMENT, Plan, check_specs
-from ._push import Push, PushOptions, call_worker, end_push
+from ._plan import DEFAULT_ALIGNMENT, Plan
+from ._push import Push, PushOptions, confirm_abort, end_push
 from ._recorder import PushRecorder
 from ._topology import Topology, plan_topology
 from ._worker import SourceInfo, TrainerSource, Worker
 from .events import EventHub, EventStream, PushEvent
-from .trainer._local import LocalTrainer
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +50,6 @@ if TYPE_CHECKING:
     from ._report import RefitReport
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: How long a push waits for workers that never confirmed an abort before it starts.
 _SETTLE_BEFORE_PUSH = 0.1
@@ -116,7 +112,7 @@ class RefitCoordinator:
     ) -> None:
         if budget_bytes <= 0:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
-        self._sources = self._as_sources(trainer)
+        self._sources = as_sources(trainer)
         self._ledger = Ledger()
         # Given at construction, discovered on entry.
         self._joining: list[Worker] = []
@@ -132,7 +128,6 @@ class RefitCoordinator:
         self._alignment = alignment
         self._timeout = timeout
         self._cleanup_timeout = cleanup_timeout
-        self._verify = verify
         self._options = PushOptions(
             timeout=timeout,
             cleanup_timeout=cleanup_timeout,
@@ -152,22 +147,6 @@ class RefitCoordinator:
         self._events = EventHub()
 
     # --- construction helpers ----------------------------------------------------------
-
-    @staticmethod
-    def _as_sources(trainer: Any) -> list[TrainerSource]:
-        if isinstance(trainer, Sequence) and not isinstance(trainer, str):
-            trainer = [adapt(t, "source") for t in trainer]
-        else:
-            trainer = adapt(trainer, "source")
-        if isinstance(trainer, TrainerSource):
-            return [trainer]
-        if (
-            isinstance(trainer, Sequence)
-            and trainer
-            and all(isinstance(t, TrainerSource) for t in trainer)
-        ):
-            return list(trainer)
-        return [LocalTrainer(trainer)]
 
     def __repr__(self) -> str:
         topology = self._topology
@@ -242,8 +221,8 @@ class RefitCoordinator:
             raise ClosedError("a RefitCoordinator can be entered once")
         self._state = "open"
         try:
-            infos = await self._describe_sources()
-            members = await self._discover(self._joining)
+            infos = await describe_sources(self._sources)
+            members = await discover(self._joining, self._timeout)
             await self._replan(infos, members)
             for member in members:
                 self._ledger.admit(member)
@@ -307,11 +286,7 @@ class RefitCoordinator:
         except Exception as exc:  # a dead worker has nothing to release
             logger.info("worker %s could not release handles: %s", member.name, exc)
 
-    # --- worker calls ---------------------------------------------------------------------
-
-    async def _call(self, member: Member, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Await one worker call under the timeout (see :func:`call_worker`)."""
-        return await call_worker(member, what, fn, within=self._timeout, died=self._settled)
+    # --- slots ----------------------------------------------------------------------------
 
     def _settled(self, member: Member) -> None:
         """``member`` reads no slot any more: give the slots it freed back."""
@@ -323,43 +298,6 @@ class RefitCoordinator:
             self._budget.release(self._topology.slot_bytes)
 
     # --- discovery and planning -------------------------------------------------------
-
-    async def _describe_sources(self) -> list[SourceInfo]:
-        infos: list[SourceInfo | None] = [None] * len(self._sources)
-
-        async def one(i: int) -> None:
-            infos[i] = await self._sources[i].describe()
-
-        with one_error():
-            async with anyio.create_task_group() as tg:
-                for i in range(len(self._sources)):
-                    tg.start_soon(one, i)
-        return [i for i in infos if i is not None]
-
-    async def _discover(self, workers: Sequence[Worker]) -> list[Member]:
-        """Ask every worker, concurrently, for its device and parameter specs."""
-        found: dict[int, Member] = {}
-
-        async def one(i: int, worker: Worker) -> None:
-            name = worker.name
-            probe = Member(name=name, worker=worker, device=DeviceId(node="", device=""), specs=())
-            device = await self._call(
-                probe, "report_device_id_async", worker.report_device_id_async
-            )
-            if not isinstance(device, DeviceId):
-                raise WorkerProtocolError(
-                    name, f"report_device_id_async returned {type(device).__name__}, not a DeviceId"
-                )
-            specs = await self._call(probe, "parameter_specs", worker.parameter_specs)
-            found[i] = Member(
-                name=name, worker=worker, device=device, specs=check_specs(name, specs)
-            )
-
-        with one_error():
-            async with anyio.create_task_group() as tg:
-                for i, worker in enumerate(workers):
-                    tg.start_soon(one, i, worker)
-        return [found[i] for i in range(len(workers))]
 
     async def _replan(self, infos: Sequence[SourceInfo], members: Iterable[Member]) -> None:
         """Plan, validate and prepare a new topology; swap it in only if all succeeded."""
@@ -384,7 +322,7 @@ class RefitCoordinator:
 
     async def _prepare_source(self, i: int, topology: Topology) -> None:
         source = self._sources[i]
-        if self._verify:
+        if self._options.verify:
             await source.prepare(topology.plan, topology.slots, topology.slot_bytes, checksum=True)
         else:
             await source.prepare(topology.plan, topology.slots, topology.slot_bytes)
@@ -401,7 +339,7 @@ class RefitCoordinator:
             self._check_open()
             worker = adapt(worker, "worker")
             self._ledger.check_name(worker.name)
-            (member,) = await self._discover([worker])
+            (member,) = await discover([worker], self._timeout)
             topology = self._topology
             assert topology is not None
             joined = topology.with_member(member)
@@ -443,11 +381,7 @@ class RefitCoordinator:
                     tg.start_soon(self._settle_one, member, version)
 
     async def _settle_one(self, member: Member, version: int) -> None:
-        try:
-            await member.worker.abort_update(version)
-        except WorkerDiedError:
-            pass  # gone: reads nothing
-        except Exception as exc:
+        if (exc := await confirm_abort(member, version)) is not None:
             logger.info(
                 "worker %s still does not confirm abort of %s: %s", member.name, version, exc
             )
@@ -514,7 +448,7 @@ class RefitCoordinator:
 
     async def _prepare_push(self, version: int, recorder: PushRecorder) -> Push:
         """Re-plan if the sources changed, settle old aborts, check a slot is free."""
-        infos = await self._describe_sources()
+        infos = await describe_sources(self._sources)
         if self._stale or self._topology is None or tuple(infos) != self._topology.infos:
             await self._replan(infos, self._ledger.members.values())
         if self._ledger.unsettled():

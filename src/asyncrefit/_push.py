@@ -101,6 +101,21 @@ async def call_worker(
         raise remote_error(member.name, type(exc).__name__, str(exc)) from exc
 
 
+async def confirm_abort(member: Member, version: int) -> Exception | None:
+    """Tell ``member`` to abort ``version``: ``None`` once it no longer reads any slot.
+
+    That is when it confirmed, or is found dead (it reads nothing); otherwise the
+    error of a worker that did not confirm, which the caller logs.
+    """
+    try:
+        await member.worker.abort_update(version)
+    except WorkerDiedError:
+        pass  # gone: reads nothing
+    except Exception as exc:
+        return exc
+    return None
+
+
 async def end_push(
     sources: Iterable[TrainerSource], version: int, ok: bool, cleanup_timeout: float
 ) -> None:
@@ -390,11 +405,7 @@ class Push:
         version = self.version
         # Owed until it confirms (also if this call is cut off by the cleanup deadline).
         self._ledger.aborting(member, version)
-        try:
-            await member.worker.abort_update(version)
-        except WorkerDiedError:
-            pass  # gone: reads nothing
-        except Exception as exc:
+        if (exc := await confirm_abort(member, version)) is not None:
             logger.warning("worker %s did not confirm abort of %s: %s", member.name, version, exc)
             return
         self._settled(member)  # confirmed: it reads no slot any more
