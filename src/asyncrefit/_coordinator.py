@@ -27,11 +27,10 @@ import anyio
 from ._adapters import adapt
 from ._budget import BudgetStatistics, ByteBudget
 from ._device import DeviceId
-from ._discovery import as_sources, describe_sources, discover
+from ._discovery import as_sources, as_workers, describe_sources, discover
 from ._exceptions import (
     AsyncRefitError,
     ClosedError,
-    DuplicateWorkerError,
     PlanError,
     one_error,
 )
@@ -115,11 +114,7 @@ class RefitCoordinator:
         self._sources = as_sources(trainer)
         self._ledger = Ledger()
         # Given at construction, discovered on entry.
-        self._joining: list[Worker] = []
-        for worker in (adapt(w, "worker") for w in workers):
-            if any(w.name == worker.name for w in self._joining):
-                raise DuplicateWorkerError(worker.name)
-            self._joining.append(worker)
+        self._joining: list[Worker] = as_workers(workers)
         self._budget_bytes = budget_bytes
         # A bucket larger than the budget could never be staged: clamp it.
         self._bucket_bytes = min(
@@ -145,8 +140,6 @@ class RefitCoordinator:
         self._push_scope: anyio.CancelScope | None = None
         self._state = "new"
         self._events = EventHub()
-
-    # --- construction helpers ----------------------------------------------------------
 
     def __repr__(self) -> str:
         topology = self._topology

@@ -1,7 +1,8 @@
 """Discovery: what the trainer sources hold, and each worker's device and parameters.
 
 The coordinator decides when to discover (on entry, when a worker is added, before
-every push for the sources); these functions do the asking. Each asks all of its
+every push for the sources); these functions do the asking, and turn the
+constructor's arguments into sources and workers (adapted, checked). Each asks all of its
 sources or workers concurrently in one task group and raises the one error a failure
 stands for (see :func:`~asyncrefit._exceptions.one_error`), never a group; worker
 calls are bounded by the coordinator's timeout and their errors typed. Nothing here
@@ -10,14 +11,14 @@ holds a resource.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import anyio
 
 from ._adapters import adapt
 from ._device import DeviceId
-from ._exceptions import WorkerProtocolError, one_error
+from ._exceptions import DuplicateWorkerError, WorkerProtocolError, one_error
 from ._ledger import Member
 from ._plan import check_specs
 from ._push import call_worker
@@ -42,6 +43,16 @@ def as_sources(trainer: Any) -> list[TrainerSource]:
     ):
         return list(trainer)
     return [LocalTrainer(trainer)]
+
+
+def as_workers(workers: Iterable[Worker | Any]) -> list[Worker]:
+    """The workers argument, adapted; raises :class:`DuplicateWorkerError` on a name twice."""
+    adapted: list[Worker] = []
+    for worker in (adapt(w, "worker") for w in workers):
+        if any(w.name == worker.name for w in adapted):
+            raise DuplicateWorkerError(worker.name)
+        adapted.append(worker)
+    return adapted
 
 
 async def describe_sources(sources: Sequence[TrainerSource]) -> list[SourceInfo]:
