@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from asyncrefit import PushError, RefitCoordinator, VersionError, WorkerDiedError, cpu_device
-from asyncrefit import _coordinator as coordinator_module
+from asyncrefit import _recorder as recorder_module
 from asyncrefit.events import (
     BucketAcked,
     BucketPacked,
@@ -136,7 +136,7 @@ async def test_nobody_listening_builds_no_event(monkeypatch: pytest.MonkeyPatch)
         raise AssertionError("an event was built with nobody listening")
 
     for name in ("PushBegun", "BucketPacked", "BucketAcked", "PushCommitted", "PushAborted"):
-        monkeypatch.setattr(coordinator_module, name, refuse)
+        monkeypatch.setattr(recorder_module, name, refuse)
     model = make_mlp()
     workers = [FakeWorker.like(f"w{i}", cpu_device(i), model) for i in range(2)]
     async with RefitCoordinator(

@@ -14,7 +14,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncrefit import DeviceId, DuplicateWorkerError, UnknownWorkerError, VersionError
+from asyncrefit import (
+    AsyncRefitError,
+    DeviceId,
+    DuplicateWorkerError,
+    UnknownWorkerError,
+    VersionError,
+)
 from asyncrefit._ledger import Ledger, Member
 
 DEVICE = DeviceId(node="n", device="cpu:0")
@@ -41,6 +47,31 @@ def test_members_are_told_apart_by_identity_not_name() -> None:
     assert ledger.quarantined() == {slot: frozenset({"w"})}
     assert ledger.settled(old) == [slot]
     assert not ledger.is_member(old) and ledger.is_member(new)
+
+
+def test_every_slot_operation_goes_through_the_ledger() -> None:
+    ledger = Ledger()
+    ledger.reset_slots(1)
+    w = member("w")
+    ledger.admit(w)
+    assert ledger.has_free_slot()
+    slot = ledger.take_slot()
+    assert not ledger.has_free_slot()
+    ledger.reading(slot, w)
+    assert ledger.reads(slot, w)
+    assert ledger.acked(slot, w) is False  # the bucket is not finished yet
+    assert not ledger.reads(slot, w)
+    assert ledger.finish_slot(slot) is True
+    slot = ledger.take_slot()
+    ledger.reading(slot, w)
+    assert ledger.finish_slot(slot) is False  # w may still read it: quarantined
+    with pytest.raises(AsyncRefitError, match="cannot re-plan while workers may still read"):
+        ledger.check_replan()
+    with pytest.raises(AsyncRefitError, match="cannot re-plan while workers may still read"):
+        ledger.reset_slots(2)
+    assert ledger.settled(w) == [slot]
+    ledger.check_replan()
+    ledger.reset_slots(2)
 
 
 def test_version_fence_counts_versions_a_failed_push_began() -> None:

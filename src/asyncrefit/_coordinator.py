@@ -1,112 +1,57 @@
-"""The coordinator: discovery, planning, and the per-bucket pipeline of a push.
+"""The coordinator: lifecycle, membership, discovery, re-planning and settling.
 
 State lives in two places: the :class:`~asyncrefit._topology.Topology` (sources,
 plan, slots, routes: an immutable value, swapped in only once it is validated and
 prepared) and the :class:`~asyncrefit._ledger.Ledger` (members, versions, slots and
 their readers: a pure state machine). The coordinator asks them what to do, awaits
 the I/O, and reports the outcome back.
+
+A push is serialized by the coordinator's lock and run by a
+:class:`~asyncrefit._push.Push` made for it (the per-bucket pipeline, the abort),
+which records its times, events and report through a
+:class:`~asyncrefit._recorder.PushRecorder`. The coordinator re-plans before the push
+when the sources changed, settles old aborts, tells the sources the push ended, and
+cancels a push in progress when it closes.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Coroutine,
-    Iterable,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ._adapters import adapt
 from ._budget import BudgetStatistics, ByteBudget
 from ._device import DeviceId
+from ._discovery import as_sources, as_workers, describe_sources, discover
 from ._exceptions import (
     AsyncRefitError,
     ClosedError,
-    DuplicateWorkerError,
-    PeerWorkerError,
     PlanError,
-    PushError,
-    SourceDiedError,
-    SourceTimeoutError,
-    TransportError,
-    WorkerDiedError,
-    WorkerError,
-    WorkerProtocolError,
-    WorkerTimeoutError,
     one_error,
-    primary_error,
-    remote_error,
 )
 from ._ledger import Ledger, Member
 from ._messages import LoadSizes
-from ._plan import DEFAULT_ALIGNMENT, Plan, check_specs
-from ._report import RefitReport, StageTimes
+from ._plan import DEFAULT_ALIGNMENT, Plan
+from ._push import Push, PushOptions, confirm_abort, end_push
+from ._recorder import PushRecorder
 from ._topology import Topology, plan_topology
-from ._worker import (
-    OrderedSource,
-    PushEndingSource,
-    SourceInfo,
-    TrainerSource,
-    TransmittingSource,
-    Worker,
-)
-from .events import (
-    BucketAcked,
-    BucketPacked,
-    EventHub,
-    EventStream,
-    PushAborted,
-    PushBegun,
-    PushCommitted,
-    PushEvent,
-    WorkerFailed,
-)
-from .trainer._local import LocalTrainer
-from .transport._base import Handle
+from ._worker import SourceInfo, TrainerSource, Worker
+from .events import EventHub, EventStream, PushEvent
 
 if TYPE_CHECKING:
     import torch
 
-    from ._plan import Bucket
+    from ._report import RefitReport
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 #: How long a push waits for workers that never confirmed an abort before it starts.
 _SETTLE_BEFORE_PUSH = 0.1
-
-
-@dataclass(slots=True)
-class _PushAccount:
-    """Mutable tallies of one push, frozen into a :class:`RefitReport` at the end."""
-
-    begin: float = 0.0
-    wait_budget: float = 0.0
-    pack: float = 0.0
-    load: float = 0.0
-    commit: float = 0.0
-    handle_bytes: dict[str, int] = field(default_factory=dict)
-    transport_bytes: dict[str, int] = field(default_factory=dict)
-    touched: set[Member] = field(default_factory=set)
-    committed: set[Member] = field(default_factory=set)
-    # slot -> the tokens of the workers' acks for the bucket last in it (ordered handles)
-    copied: dict[int, dict[Member, bytes]] = field(default_factory=dict)
-
-    def incomplete(self) -> list[str]:
-        return sorted(m.name for m in self.touched - self.committed)
 
 
 class RefitCoordinator:
@@ -166,14 +111,10 @@ class RefitCoordinator:
     ) -> None:
         if budget_bytes <= 0:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
-        self._sources = self._as_sources(trainer)
+        self._sources = as_sources(trainer)
         self._ledger = Ledger()
         # Given at construction, discovered on entry.
-        self._joining: list[Worker] = []
-        for worker in (adapt(w, "worker") for w in workers):
-            if any(w.name == worker.name for w in self._joining):
-                raise DuplicateWorkerError(worker.name)
-            self._joining.append(worker)
+        self._joining: list[Worker] = as_workers(workers)
         self._budget_bytes = budget_bytes
         # A bucket larger than the budget could never be staged: clamp it.
         self._bucket_bytes = min(
@@ -182,8 +123,12 @@ class RefitCoordinator:
         self._alignment = alignment
         self._timeout = timeout
         self._cleanup_timeout = cleanup_timeout
-        self._broadcast_all = broadcast_all_handles
-        self._verify = verify
+        self._options = PushOptions(
+            timeout=timeout,
+            cleanup_timeout=cleanup_timeout,
+            broadcast_all=broadcast_all_handles,
+            verify=verify,
+        )
         self._load_sizes = LoadSizes()  # handle bytes of the load requests, per push
 
         # The last topology that was validated and prepared; ``_stale`` once a
@@ -195,24 +140,6 @@ class RefitCoordinator:
         self._push_scope: anyio.CancelScope | None = None
         self._state = "new"
         self._events = EventHub()
-
-    # --- construction helpers ----------------------------------------------------------
-
-    @staticmethod
-    def _as_sources(trainer: Any) -> list[TrainerSource]:
-        if isinstance(trainer, Sequence) and not isinstance(trainer, str):
-            trainer = [adapt(t, "source") for t in trainer]
-        else:
-            trainer = adapt(trainer, "source")
-        if isinstance(trainer, TrainerSource):
-            return [trainer]
-        if (
-            isinstance(trainer, Sequence)
-            and trainer
-            and all(isinstance(t, TrainerSource) for t in trainer)
-        ):
-            return list(trainer)
-        return [LocalTrainer(trainer)]
 
     def __repr__(self) -> str:
         topology = self._topology
@@ -287,8 +214,8 @@ class RefitCoordinator:
             raise ClosedError("a RefitCoordinator can be entered once")
         self._state = "open"
         try:
-            infos = await self._describe_sources()
-            members = await self._discover(self._joining)
+            infos = await describe_sources(self._sources)
+            members = await discover(self._joining, self._timeout)
             await self._replan(infos, members)
             for member in members:
                 self._ledger.admit(member)
@@ -352,35 +279,7 @@ class RefitCoordinator:
         except Exception as exc:  # a dead worker has nothing to release
             logger.info("worker %s could not release handles: %s", member.name, exc)
 
-    # --- worker calls ---------------------------------------------------------------------
-
-    async def _call(
-        self, member: Member, what: str, fn: Callable[[], Awaitable[T]], *, timed: bool = True
-    ) -> T:
-        """Await one worker call under the timeout, translating errors to typed ones.
-
-        ``timed=False``: the caller bounds the call (one deadline for a bucket's loads).
-        """
-        try:
-            if not timed:
-                return await fn()
-            with anyio.fail_after(self._timeout):
-                return await fn()
-        except TimeoutError:
-            raise WorkerTimeoutError(
-                member.name, f"{what} got no answer within {self._timeout} s"
-            ) from None
-        except WorkerDiedError:
-            self._settled(member)  # a dead worker reads nothing any more
-            raise
-        except WorkerError:
-            raise
-        except Exception as exc:  # raised by an in-process worker: attribute it to it
-            raise remote_error(member.name, type(exc).__name__, str(exc)) from exc
-
-    def _deadline(self) -> float:
-        """When a call starting now times out (``inf`` without a timeout)."""
-        return math.inf if self._timeout is None else anyio.current_time() + self._timeout
+    # --- slots ----------------------------------------------------------------------------
 
     def _settled(self, member: Member) -> None:
         """``member`` reads no slot any more: give the slots it freed back."""
@@ -393,43 +292,6 @@ class RefitCoordinator:
 
     # --- discovery and planning -------------------------------------------------------
 
-    async def _describe_sources(self) -> list[SourceInfo]:
-        infos: list[SourceInfo | None] = [None] * len(self._sources)
-
-        async def one(i: int) -> None:
-            infos[i] = await self._sources[i].describe()
-
-        with one_error():
-            async with anyio.create_task_group() as tg:
-                for i in range(len(self._sources)):
-                    tg.start_soon(one, i)
-        return [i for i in infos if i is not None]
-
-    async def _discover(self, workers: Sequence[Worker]) -> list[Member]:
-        """Ask every worker, concurrently, for its device and parameter specs."""
-        found: dict[int, Member] = {}
-
-        async def one(i: int, worker: Worker) -> None:
-            name = worker.name
-            probe = Member(name=name, worker=worker, device=DeviceId(node="", device=""), specs=())
-            device = await self._call(
-                probe, "report_device_id_async", worker.report_device_id_async
-            )
-            if not isinstance(device, DeviceId):
-                raise WorkerProtocolError(
-                    name, f"report_device_id_async returned {type(device).__name__}, not a DeviceId"
-                )
-            specs = await self._call(probe, "parameter_specs", worker.parameter_specs)
-            found[i] = Member(
-                name=name, worker=worker, device=device, specs=check_specs(name, specs)
-            )
-
-        with one_error():
-            async with anyio.create_task_group() as tg:
-                for i, worker in enumerate(workers):
-                    tg.start_soon(one, i, worker)
-        return [found[i] for i in range(len(workers))]
-
     async def _replan(self, infos: Sequence[SourceInfo], members: Iterable[Member]) -> None:
         """Plan, validate and prepare a new topology; swap it in only if all succeeded."""
         topology = plan_topology(
@@ -439,11 +301,7 @@ class RefitCoordinator:
             bucket_bytes=self._bucket_bytes,
             alignment=self._alignment,
         )
-        if self._ledger.slots.quarantined():
-            raise AsyncRefitError(
-                "cannot re-plan while workers may still read slots: "
-                f"{self._ledger.quarantined()}; remove those workers first"
-            )
+        self._ledger.check_replan()
         # From here on the sources' buffers may no longer match the old topology.
         self._stale = True
         with one_error():
@@ -457,7 +315,7 @@ class RefitCoordinator:
 
     async def _prepare_source(self, i: int, topology: Topology) -> None:
         source = self._sources[i]
-        if self._verify:
+        if self._options.verify:
             await source.prepare(topology.plan, topology.slots, topology.slot_bytes, checksum=True)
         else:
             await source.prepare(topology.plan, topology.slots, topology.slot_bytes)
@@ -474,7 +332,7 @@ class RefitCoordinator:
             self._check_open()
             worker = adapt(worker, "worker")
             self._ledger.check_name(worker.name)
-            (member,) = await self._discover([worker])
+            (member,) = await discover([worker], self._timeout)
             topology = self._topology
             assert topology is not None
             joined = topology.with_member(member)
@@ -516,11 +374,7 @@ class RefitCoordinator:
                     tg.start_soon(self._settle_one, member, version)
 
     async def _settle_one(self, member: Member, version: int) -> None:
-        try:
-            await member.worker.abort_update(version)
-        except WorkerDiedError:
-            pass  # gone: reads nothing
-        except Exception as exc:
+        if (exc := await confirm_abort(member, version)) is not None:
             logger.info(
                 "worker %s still does not confirm abort of %s: %s", member.name, version, exc
             )
@@ -560,414 +414,53 @@ class RefitCoordinator:
         """
         async with self._lock:
             self._check_open()
-            start = time.perf_counter()
+            recorder = PushRecorder(self._events, version)
             with anyio.CancelScope() as scope:
                 self._push_scope = scope
                 try:
-                    return await self._push(version, start)
+                    return await self._push(version, recorder)
                 except BaseException as exc:
-                    if self._events:
-                        self._emit_aborted(version, start, exc)
+                    recorder.aborted(exc, closed=self._state == "closed")
                     raise
                 finally:
                     self._push_scope = None
             raise ClosedError(f"the coordinator was closed before version {version} began")
 
-    def _emit_aborted(self, version: int, start: float, exc: BaseException) -> None:
-        incomplete: tuple[str, ...] = ()
-        if isinstance(exc, PushError):
-            incomplete = exc.incomplete
-            cause = "closed" if isinstance(exc.cause, ClosedError) else type(exc.cause).__name__
-        elif isinstance(exc, Exception):
-            cause = type(exc).__name__
-        else:  # cancelled: by the caller, or by closing the coordinator
-            cause = "closed" if self._state == "closed" else "cancelled"
-        now = time.perf_counter()
-        self._events.emit(
-            PushAborted(
-                time=now, version=version, seconds=now - start, cause=cause, incomplete=incomplete
-            )
-        )
-
-    async def _push(self, version: int, start: float) -> RefitReport:
+    async def _push(self, version: int, recorder: PushRecorder) -> RefitReport:
         self._ledger.check_version(version)
         if not self._ledger.members:
             raise AsyncRefitError("no workers to push to")
         ok = False
         try:
-            report = await self._push_described(version, start)
+            push = await self._prepare_push(version, recorder)
+            report = await push.run()
             ok = True
             return report
         finally:
-            await self._end_push(version, ok)
+            await end_push(self._sources, version, ok, self._cleanup_timeout)
 
-    async def _end_push(self, version: int, ok: bool) -> None:
-        """Tell the sources that want to know that the push is over (shielded, bounded)."""
-        ending = [s for s in self._sources if isinstance(s, PushEndingSource)]
-        if not ending:
-            return
-
-        async def one(source: PushEndingSource) -> None:
-            try:
-                await source.end_push(version, ok)
-            except Exception as exc:
-                logger.warning(
-                    "trainer source %r missed the end of push %s: %s", source, version, exc
-                )
-
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self._cleanup_timeout):
-            async with anyio.create_task_group() as tg:
-                for source in ending:
-                    tg.start_soon(one, source)
-
-    async def _push_described(self, version: int, start: float) -> RefitReport:
-        infos = await self._describe_sources()
+    async def _prepare_push(self, version: int, recorder: PushRecorder) -> Push:
+        """Re-plan if the sources changed, settle old aborts, check a slot is free."""
+        infos = await describe_sources(self._sources)
         if self._stale or self._topology is None or tuple(infos) != self._topology.infos:
             await self._replan(infos, self._ledger.members.values())
         if self._ledger.unsettled():
             await self._settle(_SETTLE_BEFORE_PUSH)
-        if not self._ledger.slots.free():
+        if not self._ledger.has_free_slot():
             raise AsyncRefitError(
                 "no staging slot is free: workers that never confirmed an abort may "
                 f"still read them ({self._ledger.quarantined()}); kill those workers "
                 "(or wait for them) and try again"
             )
-        topology = self._topology
-        assert topology is not None
-        plan_seconds = time.perf_counter() - start
-        members = self._ledger.begin(version)
-        self._load_sizes.next_push()
-        account = _PushAccount(handle_bytes=dict.fromkeys((m.name for m in members), 0))
-        try:
-            await self._transfer(version, topology, members, account, start)
-        except BaseException as exc:
-            primary = primary_error(exc)
-            if self._events and isinstance(primary, WorkerError):
-                self._events.emit(
-                    WorkerFailed(
-                        time=time.perf_counter(),
-                        version=version,
-                        worker=primary.worker,
-                        error=type(primary).__name__,
-                        message=str(primary),
-                    )
-                )
-            await self._abort(version, account)
-            if primary is None or not isinstance(primary, Exception):
-                if self._state == "closed":
-                    closed = ClosedError(f"the coordinator was closed during the push of {version}")
-                    raise PushError(version, closed, account.incomplete(), None) from None
-                raise  # cancelled (or interrupted): clean, then let it propagate
-            failed = primary.worker if isinstance(primary, WorkerError) else None
-            if isinstance(primary, PeerWorkerError):
-                failed = primary.peer  # only a peer's report of the failure got here
-            raise PushError(version, primary, account.incomplete(), failed) from primary
-        self._ledger.complete(version)
-        seconds = time.perf_counter() - start
-        workers = tuple(m.name for m in members)
-        if self._events:
-            self._events.emit(
-                PushCommitted(
-                    time=start + seconds,
-                    version=version,
-                    seconds=seconds,
-                    bytes=topology.plan.payload_bytes,
-                    buckets=len(topology.plan.buckets),
-                    workers=workers,
-                )
-            )
-        return RefitReport(
+        assert self._topology is not None and self._budget is not None
+        return Push(
             version=version,
-            buckets=len(topology.plan.buckets),
-            bytes=topology.plan.payload_bytes,
-            seconds=seconds,
-            stages=StageTimes(
-                plan=plan_seconds,
-                begin=account.begin,
-                wait_budget=account.wait_budget,
-                pack=account.pack,
-                load=account.load,
-                commit=account.commit,
-            ),
-            workers=workers,
-            handle_bytes_per_worker=account.handle_bytes,
-            bytes_per_transport=account.transport_bytes,
-            slots=topology.slots,
-            slot_bytes=topology.slot_bytes,
-            peak_budget_bytes=self.statistics().peak,
+            topology=self._topology,
+            sources=self._sources,
+            ledger=self._ledger,
+            budget=self._budget,
+            options=self._options,
+            load_sizes=self._load_sizes,
+            recorder=recorder,
+            closed=lambda: self._state == "closed",
         )
-
-    async def _transfer(
-        self,
-        version: int,
-        topology: Topology,
-        members: list[Member],
-        account: _PushAccount,
-        start: float,
-    ) -> None:
-        budget = self._budget
-        assert budget is not None
-
-        # The begins overlap the first bucket's pack; no bucket is sent before every
-        # worker began.
-        begun = anyio.Event()
-
-        async def begin_all() -> None:
-            t = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for member in members:
-                    account.touched.add(member)
-                    tg.start_soon(
-                        self._call,
-                        member,
-                        "begin_update",
-                        lambda w=member.worker: w.begin_update(version),
-                    )
-            account.begin = time.perf_counter() - t
-            if self._events:
-                self._events.emit(
-                    PushBegun(
-                        time=time.perf_counter(),
-                        version=version,
-                        workers=tuple(m.name for m in members),
-                        buckets=len(topology.plan.buckets),
-                        bytes=topology.plan.payload_bytes,
-                        started=start,
-                    )
-                )
-            begun.set()
-
-        # Exports go in plan order, bucket after bucket (the pack of k+1 overlaps the
-        # loads of k): the ranks of a sharded trainer gather in the same order.
-        exported = anyio.Event()
-        exported.set()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(begin_all)
-            for bucket in topology.plan.buckets:
-                t = time.perf_counter()
-                await budget.acquire(topology.slot_bytes)
-                account.wait_budget += time.perf_counter() - t
-                slot = self._ledger.slots.take()
-                after, exported = exported, anyio.Event()
-                tg.start_soon(
-                    self._send_bucket,
-                    version,
-                    topology,
-                    members,
-                    bucket,
-                    slot,
-                    account,
-                    after,
-                    exported,
-                    begun,
-                )
-
-        t = time.perf_counter()
-        buckets = len(topology.plan.buckets)
-
-        async def commit(member: Member) -> None:
-            worker = member.worker
-            await self._call(
-                member, "commit_update", lambda: worker.commit_update(version, buckets)
-            )
-            account.committed.add(member)
-            self._ledger.committed(member, version)
-
-        async with anyio.create_task_group() as tg:
-            for member in members:
-                tg.start_soon(commit, member)
-        account.commit = time.perf_counter() - t
-
-    async def _send_bucket(
-        self,
-        version: int,
-        topology: Topology,
-        members: list[Member],
-        bucket: Bucket,
-        slot: int,
-        account: _PushAccount,
-        after: anyio.Event,
-        exported: anyio.Event,
-        begun: anyio.Event,
-    ) -> None:
-        try:
-            await after.wait()
-            t = time.perf_counter()
-            handles: dict[DeviceId, Handle] = {}
-            copied = account.copied.pop(slot, {})
-
-            async def export(source: int) -> None:
-                src = self._sources[source]
-                if isinstance(src, OrderedSource):  # its pack waits for these copies
-                    src.order_after(
-                        slot, [t for m, t in copied.items() if topology.routes.get(m) == source]
-                    )
-                devices = topology.devices_to_export(source, every_device=self._broadcast_all)
-                exported = await self._sources[source].export(bucket, slot, devices)
-                if self._verify and any(h.checksum is None for h in exported):
-                    raise TransportError(
-                        f"trainer source {topology.infos[source].name!r} sent bucket "
-                        f"{bucket.index} without a checksum, but verify=True"
-                    )
-                handles.update(zip(devices, exported, strict=True))
-
-            await self._export_all(topology, bucket, export)
-            # Only a bucket exported everywhere lets the next one begin: after a failure
-            # the push is over (the group cancels the tasks waiting here), and no source
-            # starts the next bucket (a rank would gather it for nothing).
-            exported.set()
-            packed = time.perf_counter()
-            account.pack += packed - t
-            if self._events:
-                self._events.emit(
-                    BucketPacked(
-                        time=packed,
-                        version=version,
-                        bucket=bucket.index,
-                        slot=slot,
-                        bytes=bucket.payload_bytes,
-                        started=t,
-                    )
-                )
-
-            await begun.wait()
-            t = time.perf_counter()
-            every = tuple(handles[d] for d in sorted(handles))
-            payload, index, sizes = bucket.payload_bytes, bucket.index, self._load_sizes
-            reading = self._ledger.slots.reading
-            async with anyio.create_task_group() as tg:
-                for source in topology.used_sources:
-                    src = self._sources[source]
-                    if isinstance(src, TransmittingSource):
-                        tg.start_soon(src.transmit, bucket, slot)
-                # One deadline for the bucket's loads (they all start now): the same
-                # bound as a timeout per call, without a cancel scope per worker.
-                with anyio.CancelScope(deadline=self._deadline()) as loads:
-                    async with anyio.create_task_group() as load_group:
-                        for member in members:
-                            handle = handles[member.device]
-                            mine = every if self._broadcast_all else (handle,)
-                            account.handle_bytes[member.name] += sizes.size(version, index, mine)
-                            kind = handle.kind
-                            account.transport_bytes[kind] = (
-                                account.transport_bytes.get(kind, 0) + payload
-                            )
-                            reading(slot, member)
-                            load_group.start_soon(
-                                self._load_one, member, version, index, mine, slot, account, t
-                            )
-                if loads.cancelled_caught:
-                    late = [m for m in members if self._ledger.slots.reads(slot, m)]
-                    raise WorkerTimeoutError(
-                        late[0].name if late else members[0].name,
-                        f"load_bucket({bucket.index}) got no answer within {self._timeout} s",
-                    )
-            account.load += time.perf_counter() - t
-        finally:
-            if self._ledger.slots.finish(slot):
-                self._release_slots([slot])
-
-    async def _export_all(
-        self, topology: Topology, bucket: Bucket, export: Callable[[int], Coroutine[Any, Any, None]]
-    ) -> None:
-        """Export ``bucket`` from every source the push drives, concurrently.
-
-        With the ranks of a sharded trainer among them, a bucket whose exports began
-        is seen through on every rank (shielded from cancellation, bounded by the
-        timeout): a rank left out of a gather would leave the others waiting in it.
-        One rank failing does not stop the others' exports either; once they all
-        ended, a rank that died is the error raised (before the other ranks' failed
-        gathers, which it caused), then one still exporting at the timeout, then the
-        first other failure.
-        """
-        if not topology.gathers:
-            async with anyio.create_task_group() as tg:
-                for source in topology.used_sources:
-                    tg.start_soon(export, source)
-            return
-        pending = set(topology.used_sources)
-        failed: list[Exception] = []
-
-        async def one(source: int) -> None:
-            try:
-                await export(source)
-            except Exception as exc:
-                failed.append(exc)
-            pending.discard(source)
-
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self._timeout if self._timeout is not None else math.inf):
-                async with anyio.create_task_group() as tg:
-                    for source in topology.used_sources:
-                        tg.start_soon(one, source)
-            died = [e for e in failed if isinstance(e, SourceDiedError)]
-            if died:
-                raise died[0]
-            if pending:
-                names = ", ".join(repr(topology.infos[i].name) for i in sorted(pending))
-                raise SourceTimeoutError(
-                    topology.infos[min(pending)].name,
-                    f"bucket {bucket.index} was not exported within {self._timeout} s "
-                    f"(still exporting: {names})",
-                )
-            if failed:
-                raise failed[0]
-
-    async def _load_one(
-        self,
-        member: Member,
-        version: int,
-        bucket: int,
-        handles: tuple[Handle, ...],
-        slot: int,
-        account: _PushAccount,
-        sent: float,
-    ) -> None:
-        worker = member.worker
-        ack = await self._call(
-            member,
-            f"load_bucket({bucket})",
-            lambda: worker.load_bucket(version, bucket, handles),
-            timed=False,  # under the bucket's deadline
-        )
-        if ack.copied:  # its copies may still run: the next pack into the slot waits
-            account.copied.setdefault(slot, {})[member] = ack.copied
-        self._ledger.slots.acked(slot, member)
-        if self._events:
-            self._events.emit(
-                BucketAcked(
-                    time=time.perf_counter(),
-                    version=version,
-                    bucket=bucket,
-                    slot=slot,
-                    worker=member.name,
-                    sent=sent,
-                    seconds=ack.seconds,
-                )
-            )
-
-    async def _abort(self, version: int, account: _PushAccount) -> None:
-        """Tell every touched worker to abort; shielded and bounded."""
-        with anyio.CancelScope(shield=True) as scope:
-            scope.deadline = anyio.current_time() + self._cleanup_timeout
-            async with anyio.create_task_group() as tg:
-                for member in account.touched - account.committed:
-                    tg.start_soon(self._abort_one, member, version)
-        if self._ledger.quarantined():
-            logger.warning(
-                "push %s aborted; slots still held for unresponsive workers: %s",
-                version,
-                self._ledger.quarantined(),
-            )
-
-    async def _abort_one(self, member: Member, version: int) -> None:
-        # Owed until it confirms (also if this call is cut off by the cleanup deadline).
-        self._ledger.aborting(member, version)
-        try:
-            await member.worker.abort_update(version)
-        except WorkerDiedError:
-            pass  # gone: reads nothing
-        except Exception as exc:
-            logger.warning("worker %s did not confirm abort of %s: %s", member.name, version, exc)
-            return
-        self._settled(member)  # confirmed: it reads no slot any more

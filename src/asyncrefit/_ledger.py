@@ -1,11 +1,12 @@
 """The coordinator's bookkeeping, as a pure state machine: who is in, who holds what.
 
-Nothing here awaits or does I/O. The coordinator asks the ledger first (may this
-version be pushed? which slots does this ack free? whom must an abort reach?), then
-carries out what it was told. Workers are tracked by their :class:`Member` record,
-compared by identity, never by name: a worker added under the name of one that was
-removed is a different member, and cannot settle what the old one still owes (a slot
-it may still read).
+Nothing here awaits or does I/O. The coordinator and its pushes ask the ledger first
+(may this version be pushed? which slots does this ack free? whom must an abort
+reach?), then carry out what they were told. Every slot operation goes through the
+ledger's methods; ``slots`` is its table, exposed for inspection only. Workers are
+tracked by their :class:`Member` record, compared by identity, never by name: a worker
+added under the name of one that was removed is a different member, and cannot settle
+what the old one still owes (a slot it may still read).
 """
 
 from __future__ import annotations
@@ -94,14 +95,42 @@ class Ledger:
 
     # --- slots ------------------------------------------------------------------------
 
-    def reset_slots(self, slots: int) -> None:
-        """A new set of ``slots`` free slots (after a re-plan); none may be read."""
+    def check_replan(self) -> None:
+        """Raise :class:`AsyncRefitError` if workers may still read slots (no re-plan)."""
         if self.slots.quarantined():
             raise AsyncRefitError(
                 "cannot re-plan while workers may still read slots: "
                 f"{self.quarantined()}; remove those workers first"
             )
+
+    def reset_slots(self, slots: int) -> None:
+        """A new set of ``slots`` free slots (after a re-plan); none may be read."""
+        self.check_replan()
         self.slots = SlotTable(slots)
+
+    def has_free_slot(self) -> bool:
+        """Whether a slot is neither taken nor read (else no push can start)."""
+        return bool(self.slots.free())
+
+    def take_slot(self) -> int:
+        """Take the lowest free slot for a bucket (after the budget granted its bytes)."""
+        return self.slots.take()
+
+    def reading(self, slot: int, member: Member) -> None:
+        """``member`` was sent the handle of ``slot`` and may read it from now on."""
+        self.slots.reading(slot, member)
+
+    def reads(self, slot: int, member: Member) -> bool:
+        """Whether ``member`` may still be reading ``slot``."""
+        return self.slots.reads(slot, member)
+
+    def acked(self, slot: int, member: Member) -> bool:
+        """``member`` acknowledged ``slot``'s bucket. True if the slot became free."""
+        return self.slots.acked(slot, member)
+
+    def finish_slot(self, slot: int) -> bool:
+        """The bucket in ``slot`` is done (or failed). True if the slot is free now."""
+        return self.slots.finish(slot)
 
     def quarantined(self) -> dict[int, frozenset[str]]:
         """Slots held back, with the names of the workers that may still read them."""

@@ -1,0 +1,428 @@
+"""One push: the per-bucket pipeline that moves a version into every worker.
+
+A :class:`Push` is made by the coordinator once the push is planned (its topology is
+current, its budget and slots ready) and lives for that push only. It holds the
+push's state (version, topology, members, slots in flight, the acks' copy tokens, who
+was touched and who committed) as attributes; what it measures and emits goes to its
+:class:`~asyncrefit._recorder.PushRecorder`; every slot operation goes through the
+:class:`~asyncrefit._ledger.Ledger`.
+
+Resource handling: each bucket takes its slot's bytes from the budget, then a slot
+from the ledger, and gives both back in its step's ``finally`` once no worker may
+still read the slot (the ledger says when). Every task runs in a task group of the
+push (structured concurrency); the exports of a sharded trainer's bucket, the abort
+and the sources' end of push are shielded from cancellation and bounded in time.
+
+Error handling: worker calls are bounded by the timeout and their errors made typed
+(:func:`call_worker`). A failure or cancellation of the transfer tells every touched,
+uncommitted worker to abort (:meth:`Push.abort`), then raises :class:`PushError`
+naming the failure and the workers left incomplete, or lets the cancellation go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+
+from ._exceptions import (
+    ClosedError,
+    PeerWorkerError,
+    PushError,
+    SourceDiedError,
+    SourceTimeoutError,
+    TransportError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+    primary_error,
+    remote_error,
+)
+from ._worker import OrderedSource, PushEndingSource, TransmittingSource
+
+if TYPE_CHECKING:
+    from ._budget import ByteBudget
+    from ._device import DeviceId
+    from ._ledger import Ledger, Member
+    from ._messages import LoadSizes
+    from ._plan import Bucket
+    from ._recorder import BucketRecorder, PushRecorder
+    from ._report import RefitReport
+    from ._topology import Topology
+    from ._worker import TrainerSource
+    from .transport._base import Handle
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushOptions:
+    """The coordinator's settings a push runs under."""
+
+    timeout: float | None
+    cleanup_timeout: float
+    broadcast_all: bool
+    verify: bool
+
+
+async def call_worker(
+    member: Member,
+    what: str,
+    fn: Callable[[], Awaitable[T]],
+    *,
+    within: float | None,
+    died: Callable[[Member], None],
+    timed: bool = True,
+) -> T:
+    """Await one worker call for at most ``within`` seconds, translating errors to typed ones.
+
+    ``timed=False``: the caller bounds the call (one deadline for a bucket's loads).
+    A worker found dead is passed to ``died`` (it reads no slot any more) first.
+    """
+    try:
+        if not timed:
+            return await fn()
+        with anyio.fail_after(within):
+            return await fn()
+    except TimeoutError:
+        raise WorkerTimeoutError(member.name, f"{what} got no answer within {within} s") from None
+    except WorkerDiedError:
+        died(member)  # a dead worker reads nothing any more
+        raise
+    except WorkerError:
+        raise
+    except Exception as exc:  # raised by an in-process worker: attribute it to it
+        raise remote_error(member.name, type(exc).__name__, str(exc)) from exc
+
+
+async def confirm_abort(member: Member, version: int) -> Exception | None:
+    """Tell ``member`` to abort ``version``: ``None`` once it no longer reads any slot.
+
+    That is when it confirmed, or is found dead (it reads nothing); otherwise the
+    error of a worker that did not confirm, which the caller logs.
+    """
+    try:
+        await member.worker.abort_update(version)
+    except WorkerDiedError:
+        pass  # gone: reads nothing
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def end_push(
+    sources: Iterable[TrainerSource], version: int, ok: bool, cleanup_timeout: float
+) -> None:
+    """Tell the sources that want to know that the push is over (shielded, bounded)."""
+    ending = [s for s in sources if isinstance(s, PushEndingSource)]
+    if not ending:
+        return
+
+    async def one(source: PushEndingSource) -> None:
+        try:
+            await source.end_push(version, ok)
+        except Exception as exc:
+            logger.warning("trainer source %r missed the end of push %s: %s", source, version, exc)
+
+    with anyio.CancelScope(shield=True), anyio.move_on_after(cleanup_timeout):
+        async with anyio.create_task_group() as tg:
+            for source in ending:
+                tg.start_soon(one, source)
+
+
+class Push:
+    """One push of ``version`` over ``topology``: :meth:`run` it once.
+
+    ``closed`` tells whether the coordinator was closed (a cancellation then fails the
+    push with :class:`ClosedError` as its cause instead of propagating).
+    """
+
+    def __init__(
+        self,
+        *,
+        version: int,
+        topology: Topology,
+        sources: Sequence[TrainerSource],
+        ledger: Ledger,
+        budget: ByteBudget,
+        options: PushOptions,
+        load_sizes: LoadSizes,
+        recorder: PushRecorder,
+        closed: Callable[[], bool],
+    ) -> None:
+        self.version = version
+        self.topology = topology
+        self.members: list[Member] = []  # set when the push begins
+        self._sources = sources
+        self._ledger = ledger
+        self._budget = budget
+        self._options = options
+        self._load_sizes = load_sizes
+        self._recorder = recorder
+        self._closed = closed
+        self._touched: set[Member] = set()  # told to begin: an abort must reach them
+        self._committed: set[Member] = set()
+        # slot -> the tokens of the workers' acks for the bucket last in it (ordered handles)
+        self._copied: dict[int, dict[Member, bytes]] = {}
+        self._begun = anyio.Event()  # every worker began: buckets may be sent
+
+    def incomplete(self) -> list[str]:
+        """The workers told to begin that did not commit."""
+        return sorted(m.name for m in self._touched - self._committed)
+
+    # --- the whole push ---------------------------------------------------------------
+
+    async def run(self) -> RefitReport:
+        """Begin, send every bucket, commit; on failure abort and raise :class:`PushError`."""
+        self.members = self._ledger.begin(self.version)
+        self._recorder.planned(m.name for m in self.members)
+        self._load_sizes.next_push()
+        try:
+            await self._transfer()
+        except BaseException as exc:
+            primary = primary_error(exc)
+            self._recorder.worker_failed(primary)
+            await self.abort()
+            if primary is None or not isinstance(primary, Exception):
+                if self._closed():
+                    closed = ClosedError(
+                        f"the coordinator was closed during the push of {self.version}"
+                    )
+                    raise PushError(self.version, closed, self.incomplete(), None) from None
+                raise  # cancelled (or interrupted): clean, then let it propagate
+            failed = primary.worker if isinstance(primary, WorkerError) else None
+            if isinstance(primary, PeerWorkerError):
+                failed = primary.peer  # only a peer's report of the failure got here
+            raise PushError(self.version, primary, self.incomplete(), failed) from primary
+        self._ledger.complete(self.version)
+        return self._recorder.committed(self.topology, self._budget.statistics().peak)
+
+    async def _transfer(self) -> None:
+        # The begins overlap the first bucket's pack; no bucket is sent before every
+        # worker began. Exports go in plan order, bucket after bucket (the pack of k+1
+        # overlaps the loads of k): the ranks of a sharded trainer gather in that order.
+        exported = anyio.Event()
+        exported.set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._begin_all)
+            for bucket in self.topology.plan.buckets:
+                with self._recorder.waiting_for_budget():
+                    await self._budget.acquire(self.topology.slot_bytes)
+                slot = self._ledger.take_slot()
+                after, exported = exported, anyio.Event()
+                tg.start_soon(self.send_bucket, bucket, slot, after, exported)
+
+        with self._recorder.committing():
+            async with anyio.create_task_group() as tg:
+                for member in self.members:
+                    tg.start_soon(self._commit, member)
+
+    async def _begin_all(self) -> None:
+        version = self.version
+        with self._recorder.beginning(self.topology):
+            async with anyio.create_task_group() as tg:
+                for member in self.members:
+                    self._touched.add(member)
+                    tg.start_soon(
+                        self._call,
+                        member,
+                        "begin_update",
+                        lambda w=member.worker: w.begin_update(version),
+                    )
+        self._begun.set()
+
+    async def _commit(self, member: Member) -> None:
+        worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)
+        await self._call(member, "commit_update", lambda: worker.commit_update(version, buckets))
+        self._committed.add(member)
+        self._ledger.committed(member, version)
+
+    # --- one bucket -------------------------------------------------------------------
+
+    async def send_bucket(
+        self, bucket: Bucket, slot: int, after: anyio.Event, exported: anyio.Event
+    ) -> None:
+        """The step of one bucket in ``slot``: export it once ``after`` is set (the
+        previous bucket was exported everywhere), set ``exported``, send it to every
+        worker once all began, await their acks; the slot is freed when none reads it.
+        """
+        record = self._recorder.bucket(bucket.index, slot, bucket.payload_bytes)
+        try:
+            await after.wait()
+            with record.packing():
+                handles = await self._export(bucket, slot)
+                # Only a bucket exported everywhere lets the next one begin: after a
+                # failure the push is over (the group cancels the tasks waiting here),
+                # and no source starts the next bucket (a rank would gather it for
+                # nothing).
+                exported.set()
+            await self._begun.wait()
+            with record.loading():
+                await self._load(bucket, handles, record)
+        finally:
+            if self._ledger.finish_slot(slot):
+                self._release([slot])
+
+    async def _export(self, bucket: Bucket, slot: int) -> dict[DeviceId, Handle]:
+        """Pack and export ``bucket`` into ``slot`` on every source: the handles."""
+        topology, verify = self.topology, self._options.verify
+        handles: dict[DeviceId, Handle] = {}
+        copied = self._copied.pop(slot, {})
+
+        async def export(source: int) -> None:
+            src = self._sources[source]
+            if isinstance(src, OrderedSource):  # its pack waits for these copies
+                src.order_after(
+                    slot, [t for m, t in copied.items() if topology.routes.get(m) == source]
+                )
+            devices = topology.devices_to_export(source, every_device=self._options.broadcast_all)
+            exported = await src.export(bucket, slot, devices)
+            if verify and any(h.checksum is None for h in exported):
+                raise TransportError(
+                    f"trainer source {topology.infos[source].name!r} sent bucket "
+                    f"{bucket.index} without a checksum, but verify=True"
+                )
+            handles.update(zip(devices, exported, strict=True))
+
+        await self._export_all(bucket, export)
+        return handles
+
+    async def _export_all(
+        self, bucket: Bucket, export: Callable[[int], Coroutine[Any, Any, None]]
+    ) -> None:
+        """Export ``bucket`` from every source the push drives, concurrently.
+
+        With the ranks of a sharded trainer among them, a bucket whose exports began
+        is seen through on every rank (shielded from cancellation, bounded by the
+        timeout): a rank left out of a gather would leave the others waiting in it.
+        One rank failing does not stop the others' exports either; once they all
+        ended, a rank that died is the error raised (before the other ranks' failed
+        gathers, which it caused), then one still exporting at the timeout, then the
+        first other failure.
+        """
+        topology, timeout = self.topology, self._options.timeout
+        if not topology.gathers:
+            async with anyio.create_task_group() as tg:
+                for source in topology.used_sources:
+                    tg.start_soon(export, source)
+            return
+        pending = set(topology.used_sources)
+        failed: list[Exception] = []
+
+        async def one(source: int) -> None:
+            try:
+                await export(source)
+            except Exception as exc:
+                failed.append(exc)
+            pending.discard(source)
+
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(timeout if timeout is not None else math.inf):
+                async with anyio.create_task_group() as tg:
+                    for source in topology.used_sources:
+                        tg.start_soon(one, source)
+            died = [e for e in failed if isinstance(e, SourceDiedError)]
+            if died:
+                raise died[0]
+            if pending:
+                names = ", ".join(repr(topology.infos[i].name) for i in sorted(pending))
+                raise SourceTimeoutError(
+                    topology.infos[min(pending)].name,
+                    f"bucket {bucket.index} was not exported within {timeout} s "
+                    f"(still exporting: {names})",
+                )
+            if failed:
+                raise failed[0]
+
+    async def _load(
+        self, bucket: Bucket, handles: dict[DeviceId, Handle], record: BucketRecorder
+    ) -> None:
+        """Send every worker its handles of ``bucket`` and await every ack."""
+        every = tuple(handles[d] for d in sorted(handles))
+        broadcast_all, timeout = self._options.broadcast_all, self._options.timeout
+        async with anyio.create_task_group() as tg:
+            for source in self.topology.used_sources:
+                src = self._sources[source]
+                if isinstance(src, TransmittingSource):
+                    tg.start_soon(src.transmit, bucket, record.slot)
+            # One deadline for the bucket's loads (they all start now): the same
+            # bound as a timeout per call, without a cancel scope per worker.
+            deadline = math.inf if timeout is None else anyio.current_time() + timeout
+            with anyio.CancelScope(deadline=deadline) as loads:
+                async with anyio.create_task_group() as load_group:
+                    for member in self.members:
+                        handle = handles[member.device]
+                        mine = every if broadcast_all else (handle,)
+                        size = self._load_sizes.size(self.version, bucket.index, mine)
+                        record.bucket_sent(member.name, handle.kind, size)
+                        self._ledger.reading(record.slot, member)
+                        load_group.start_soon(self._load_one, member, mine, record)
+            if loads.cancelled_caught:
+                late = [m for m in self.members if self._ledger.reads(record.slot, m)]
+                raise WorkerTimeoutError(
+                    late[0].name if late else self.members[0].name,
+                    f"load_bucket({bucket.index}) got no answer within {timeout} s",
+                )
+
+    async def _load_one(
+        self, member: Member, handles: tuple[Handle, ...], record: BucketRecorder
+    ) -> None:
+        worker, version, index = member.worker, self.version, record.index
+        ack = await self._call(
+            member,
+            f"load_bucket({index})",
+            lambda: worker.load_bucket(version, index, handles),
+            timed=False,  # under the bucket's deadline
+        )
+        if ack.copied:  # its copies may still run: the next pack into the slot waits
+            self._copied.setdefault(record.slot, {})[member] = ack.copied
+        self._ledger.acked(record.slot, member)
+        record.acked(member.name, ack.seconds)
+
+    # --- failure ----------------------------------------------------------------------
+
+    async def abort(self) -> None:
+        """Tell every touched, uncommitted worker to abort; shielded and bounded."""
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + self._options.cleanup_timeout
+            async with anyio.create_task_group() as tg:
+                for member in self._touched - self._committed:
+                    tg.start_soon(self._abort_one, member)
+        if self._ledger.quarantined():
+            logger.warning(
+                "push %s aborted; slots still held for unresponsive workers: %s",
+                self.version,
+                self._ledger.quarantined(),
+            )
+
+    async def _abort_one(self, member: Member) -> None:
+        version = self.version
+        # Owed until it confirms (also if this call is cut off by the cleanup deadline).
+        self._ledger.aborting(member, version)
+        if (exc := await confirm_abort(member, version)) is not None:
+            logger.warning("worker %s did not confirm abort of %s: %s", member.name, version, exc)
+            return
+        self._settled(member)  # confirmed: it reads no slot any more
+
+    # --- helpers ----------------------------------------------------------------------
+
+    async def _call(
+        self, member: Member, what: str, fn: Callable[[], Awaitable[T]], *, timed: bool = True
+    ) -> T:
+        return await call_worker(
+            member, what, fn, within=self._options.timeout, died=self._settled, timed=timed
+        )
+
+    def _settled(self, member: Member) -> None:
+        """``member`` reads no slot any more: give the slots it freed back."""
+        self._release(self._ledger.settled(member))
+
+    def _release(self, freed: Iterable[int]) -> None:
+        for _ in freed:
+            self._budget.release(self.topology.slot_bytes)
