@@ -25,7 +25,7 @@ from collections.abc import (
     Mapping,
 )
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -64,6 +64,7 @@ from .._messages import (
 from .._plan import ParamSpec
 from ..local._framing import FrameReader
 from ..transport._base import Handle
+from ._barrier import RankBarrier
 from ._ops import EngineLoopError as EngineLoopError
 from ._ops import PauseMode as PauseMode
 from ._ops import _AsyncLLMOps, _EngineOps, _LLMOps
@@ -166,16 +167,6 @@ def _reply_of(reply: _Answer, name: str, kind: type[R]) -> R:
 # --- the link ----------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Gather:
-    """One engine-wide step, waiting for every rank to ask for it."""
-
-    requests: dict[int, Request] = field(default_factory=dict)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    replies: dict[int, _Answer] = field(default_factory=dict)
-    error: BaseException | None = None
-
-
 class _EngineLink:
     """Channels to every worker of one engine, and the engine-wide steps over them."""
 
@@ -193,7 +184,9 @@ class _EngineLink:
         self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
         self._session_lock = anyio.Lock()  # begin, commit and abort
         self._next_id = 0
-        self._gathers: dict[tuple[Any, ...], _Gather] = {}
+        self._barrier: RankBarrier[Request, _Answer] = RankBarrier(
+            self.world, self.worker_name, self.translate
+        )
         # The version of vLLM's weight-update session, from the call that starts it until
         # the call that ends it (finish or abort): while set, no rank may generate
         # before the session is ended.
@@ -406,43 +399,6 @@ class _EngineLink:
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
-    async def _gathered(
-        self,
-        key: tuple[Any, ...],
-        rank: int,
-        request: Request,
-        run: Callable[[dict[int, Request]], Awaitable[dict[int, _Answer]]],
-    ) -> _Answer:
-        gather = self._gathers.get(key)
-        if gather is None:
-            gather = self._gathers[key] = _Gather()
-        if rank in gather.requests:
-            raise AsyncRefitError(f"{self.worker_name(rank)} asked for step {key} twice")
-        gather.requests[rank] = request
-        if len(gather.requests) < self.world:
-            await gather.done.wait()
-        else:
-            del self._gathers[key]
-            try:
-                gather.replies = await run(dict(gather.requests))
-            except BaseException as exc:
-                gather.error = exc
-                if isinstance(exc, Exception):
-                    raise self.translate(exc, rank) from exc
-                raise
-            finally:
-                gather.done.set()
-        if gather.error is not None:
-            raise self.translate(gather.error, rank) from gather.error
-        return gather.replies[rank]
-
-    def _drop_gathers(self) -> None:
-        """Wake ranks still waiting for steps that will never run (a push ended)."""
-        gathers, self._gathers = self._gathers, {}
-        for gather in gathers.values():
-            gather.error = AsyncRefitError("the push ended before every rank asked for this step")
-            gather.done.set()
-
     async def serve(self, rank: int, request: Request) -> _Answer:
         """A request outside weight updates (device, specs, version, release).
 
@@ -461,7 +417,7 @@ class _EngineLink:
             async with self._session_lock:
                 if self._session is not None or self._unconfirmed is not None:
                     await self._abort_locked()  # an earlier push was never ended
-                self._drop_gathers()
+                self._barrier.drop()
                 # Each set before its call: if the call fails or is cancelled, the abort
                 # that follows ends whatever was started, then resumes generation.
                 self._paused = True
@@ -470,14 +426,16 @@ class _EngineLink:
                 await self._ops.start()
                 return await self._exchange(requests, "update")
 
-        return await self._gathered(("begin", version), rank, BeginUpdate(version=version), run)
+        return await self._barrier.gather(
+            ("begin", version), rank, BeginUpdate(version=version), run
+        )
 
     async def load(self, rank: int, request: LoadBucket) -> _Answer:
         async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
             return await self._exchange(requests, "update")
 
         key = ("load", request.version, request.bucket)
-        return await self._gathered(key, rank, request, run)
+        return await self._barrier.gather(key, rank, request, run)
 
     async def commit(self, rank: int, version: int, buckets: int) -> _Answer:
         async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
@@ -521,7 +479,7 @@ class _EngineLink:
                 return replies
 
         request = CommitUpdate(version=version, buckets=buckets)
-        return await self._gathered(("commit", version), rank, request, run)
+        return await self._barrier.gather(("commit", version), rank, request, run)
 
     async def abort(self, rank: int, version: int) -> None:
         """End the engine's session, whichever rank asks first; never waits for others.
@@ -544,7 +502,7 @@ class _EngineLink:
         concludes it: the session by ending vLLM's update, the pause by a resume that
         succeeded (a failed one is retried by the next abort or close).
         """
-        self._drop_gathers()
+        self._barrier.drop()
         unconfirmed: Exception | None = None
         with anyio.CancelScope(shield=True):
             try:
