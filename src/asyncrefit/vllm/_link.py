@@ -12,6 +12,7 @@ as soon as it is asked for.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -68,6 +69,17 @@ from ._barrier import RankBarrier
 from ._ops import EngineLoopError as EngineLoopError
 from ._ops import PauseMode as PauseMode
 from ._ops import _AsyncLLMOps, _EngineOps, _LLMOps
+from ._session import (
+    AbortWorkers,
+    EngineStep,
+    Finish,
+    Pause,
+    Relabel,
+    ResetCache,
+    Resume,
+    Session,
+    Start,
+)
 from ._wire import BACKEND, EXTENSION, Aborted, Hello, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -187,28 +199,16 @@ class _EngineLink:
         self._barrier: RankBarrier[Request, _Answer] = RankBarrier(
             self.world, self.worker_name, self.translate
         )
-        # The version of vLLM's weight-update session, from the call that starts it until
-        # the call that ends it (finish or abort): while set, no rank may generate
-        # before the session is ended.
-        self._session: int | None = None
-        self._finishing: int | None = None  # the version whose finish was asked for
-        # An abort that got no answer: no proof yet that no rank reads a trainer buffer.
-        self._unconfirmed: int | None = None
-        self._paused = False
-        # Weights changed since the prefix cache was last reset: KV cached under the
-        # old weights must be dropped before generation resumes (see _resume).
-        self._stale_cache = False
+        # What the engine owes between calls (paused, an open update, a stale prefix
+        # cache, an unconfirmed abort): the link carries out the steps it returns.
+        self._session = Session()
         self._dead: str | None = None
         self._dir: str | None = None
         self.workers = [VLLMWorker(self, rank) for rank in range(self.world)]
 
     def __repr__(self) -> str:
         state = f"dead ({self._dead})" if self._dead else "alive"
-        return (
-            f"<vLLM engine link {self.name!r} ranks={self.world} session={self._session} "
-            f"unconfirmed={self._unconfirmed} paused={self._paused} "
-            f"stale_cache={self._stale_cache} {state}>"
-        )
+        return f"<vLLM engine link {self.name!r} ranks={self.world} {self._session!r} {state}>"
 
     @staticmethod
     def _check_config(config: Any) -> None:
@@ -415,20 +415,19 @@ class _EngineLink:
     async def begin(self, rank: int, version: int) -> _Answer:
         async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
             async with self._session_lock:
-                if self._session is not None or self._unconfirmed is not None:
+                if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
                 self._barrier.drop()
-                # Each set before its call: if the call fails or is cancelled, the abort
-                # that follows ends whatever was started, then resumes generation.
-                self._paused = True
-                await self._ops.pause()
-                self._session = version
-                await self._ops.start()
+                # Each asked for before its call: if the call fails or is cancelled, the
+                # abort that follows ends whatever was started, then resumes generation.
+                for step in self._session.begin(version):
+                    self._session.asking(step)
+                    await self._call(step)
+                    self._session.done(step)
                 return await self._exchange(requests, "update")
 
-        return await self._barrier.gather(
-            ("begin", version), rank, BeginUpdate(version=version), run
-        )
+        request = BeginUpdate(version=version)
+        return await self._barrier.gather(("begin", version), rank, request, run)
 
     async def load(self, rank: int, request: LoadBucket) -> _Answer:
         async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
@@ -440,7 +439,7 @@ class _EngineLink:
     async def commit(self, rank: int, version: int, buckets: int) -> _Answer:
         async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
             async with self._session_lock:
-                if self._session != version:
+                if not self._session.receiving(version):
                     raise AsyncRefitError(f"version {version} is not being received")
                 replies = await self._exchange(requests, "update")
                 failed = {r: e for r, e in replies.items() if isinstance(e, ErrorReply)}
@@ -453,29 +452,23 @@ class _EngineLink:
                         message=f"rank {bad} could not commit: {error.type}: {error.message}",
                     )
                     return {r: failed.get(r, peer) for r in replies}
-                # From here on every byte is in: if finishing fails, the abort that
-                # follows labels the engine incomplete whatever the workers say.
-                self._finishing = version
-                self._stale_cache = True  # from the first byte finishing may change
-                await self._ops.finish(str(version))
-                self._session = self._finishing = None
-                step = "resetting the prefix cache"
-                try:
-                    # The label and the cache move together: no block computed with
-                    # older weights is reused once generation resumes.
-                    await self._ops.reset_cache()
-                    self._stale_cache = False
-                    step = "resuming generation"
-                    await self._ops.resume()
-                except Exception as exc:
-                    # Still paused: fail the push; the abort that follows resets the
-                    # cache (or relabels the engine) and resumes.
-                    raise WorkerRemoteError(
-                        self.name,
-                        type(exc).__name__,
-                        f"version {version} is in, but {step} failed: {exc}",
-                    ) from exc
-                self._paused = False  # only once resumed: else the next abort retries
+                # Finish (the label), then reset the cache: the label and the cache move
+                # together, no block computed with older weights is reused once
+                # generation resumes. A step that fails leaves it asked for: still
+                # paused, the push fails, and the abort that follows ends it.
+                for step in self._session.commit(version):
+                    self._session.asking(step)
+                    try:
+                        await self._call(step)
+                    except Exception as exc:
+                        if isinstance(step, Finish):
+                            raise
+                        raise WorkerRemoteError(
+                            self.name,
+                            type(exc).__name__,
+                            f"version {version} is in, but {step.what} failed: {exc}",
+                        ) from exc
+                    self._session.done(step)
                 return replies
 
         request = CommitUpdate(version=version, buckets=buckets)
@@ -498,38 +491,36 @@ class _EngineLink:
         Shielded from cancellation: once begun, every step is taken, each engine call
         bounded by the cleanup timeout. The engine runs its calls in order, so a call
         that timed out here still comes before the ones after it (the abort before the
-        finish, the finish before the resume). State is cleared only by the step that
-        concludes it: the session by ending vLLM's update, the pause by a resume that
-        succeeded (a failed one is retried by the next abort or close).
+        finish, the finish before the resume). The session forgets what is owed only
+        once the step that settles it is done: the open update once vLLM's update was
+        ended, the pause once a resume succeeded (a failed one is retried by the next
+        abort or close).
         """
         self._barrier.drop()
         unconfirmed: Exception | None = None
         with anyio.CancelScope(shield=True):
             try:
-                if self._session is not None or self._unconfirmed is not None:
-                    unconfirmed = await self._end_session()
+                for ask in self._session.abort():
+                    unconfirmed = await self._end_update(ask)
             finally:
-                if self._paused or self._stale_cache:
-                    await self._resume()
+                await self._clean_up(self._session.resume())
         if unconfirmed is not None:
             raise unconfirmed
 
-    async def _end_session(self) -> Exception | None:
-        """The abort exchange, then (if a session is open) vLLM's finish and the label;
+    async def _end_update(self, ask: AbortWorkers) -> Exception | None:
+        """The abort exchange, then (if an update is open) vLLM's finish and the label;
         returns why the abort is unconfirmed, or ``None``."""
-        session = self._session
-        version = session if session is not None else self._unconfirmed
-        assert version is not None
-        written = self._finishing == version  # every byte was in when finishing failed
+        version = ask.version
+        self._session.asking(ask)
         unconfirmed: Exception | None = None
+        written = False
         try:
             with anyio.fail_after(self._cleanup):
                 replies = await self._exchange(
                     {r: AbortUpdate(version=version) for r in range(self.world)}, "serve"
                 )
         except Exception as exc:
-            unconfirmed = exc
-            written = True  # unless every rank says otherwise
+            unconfirmed = exc  # and written, unless every rank says otherwise
             if isinstance(exc, TimeoutError):
                 unconfirmed = WorkerTimeoutError(
                     self.name,
@@ -539,22 +530,41 @@ class _EngineLink:
         else:
             # Any reply, an error included, comes after every earlier request of that
             # rank was handled: no rank reads a trainer buffer any more.
-            written = written or not all(
+            written = not all(
                 isinstance(reply, Aborted) and not reply.written for reply in replies.values()
             )
-        self._unconfirmed = None if unconfirmed is None else version
-        if session is None:
-            return unconfirmed  # vLLM's update was ended before: only confirming
-        if written:
-            self._stale_cache = True  # the KV cached so far was computed with older weights
-        await self._bounded("ending vLLM's weight update", lambda: self._ops.finish(None))
-        self._session = self._finishing = None
-        if written:  # outputs must not claim a version the engine no longer holds whole
-            await self._relabel(f"incomplete-{version}")
+        steps = self._session.aborted(confirmed=unconfirmed is None, written=written)
+        await self._clean_up(steps)
         return unconfirmed
 
-    async def _relabel(self, label: str) -> None:
-        await self._bounded("relabelling", lambda: self._ops.set_label(label))
+    async def _clean_up(self, steps: tuple[EngineStep, ...]) -> None:
+        """Carry out cleanup steps, each bounded by the cleanup timeout, failures logged
+        (the session says what a failure takes next)."""
+        pending = list(steps)
+        while pending:
+            step = pending.pop(0)
+            self._session.asking(step)
+            if await self._bounded(step.what, functools.partial(self._call, step)):
+                self._session.done(step)
+            else:
+                pending[:0] = self._session.failed(step)
+
+    async def _call(self, step: EngineStep) -> None:
+        """The engine call that carries out ``step``."""
+        ops = self._ops
+        match step:
+            case Pause():
+                await ops.pause()
+            case Start():
+                await ops.start()
+            case Finish(label=label):
+                await ops.finish(label)
+            case ResetCache():
+                await ops.reset_cache()
+            case Resume():
+                await ops.resume()
+            case Relabel(label=label):
+                await ops.set_label(label)
 
     async def _bounded(self, what: str, call: Callable[[], Awaitable[None]]) -> bool:
         """One engine call of a cleanup, at most the cleanup timeout; failures logged."""
@@ -567,21 +577,6 @@ class _EngineLink:
             logger.error("engine %s: %s failed: %s", self.name, what, exc)
             return False
         return True
-
-    async def _resume(self) -> None:
-        """Reset the prefix cache if weights changed since it was reset, then resume.
-
-        A reset that fails leaves the engine serving KV computed with older weights:
-        its weight version says so (``"stale-cache"``), and generation resumes anyway
-        (an engine is never left paused by asyncrefit).
-        """
-        if self._stale_cache:
-            if await self._bounded("resetting the prefix cache", self._ops.reset_cache):
-                self._stale_cache = False
-            else:
-                await self._relabel("stale-cache")
-        if await self._bounded("resuming generation", self._ops.resume):
-            self._paused = False
 
 
 class VLLMWorker:
