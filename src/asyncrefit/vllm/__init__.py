@@ -14,7 +14,7 @@ weight-update session loads them. Importing this package does not import vLLM; v
 imports :mod:`asyncrefit.vllm.worker` into its worker processes.
 """
 
-from ._link import ChannelStatistics as ChannelStatistics
+from ._channels import ChannelStatistics as ChannelStatistics
 from ._link import EngineConfigError as EngineConfigError
 from ._link import VLLMWorker as VLLMWorker
 from ._link import connect_async_llm as connect_async_llm

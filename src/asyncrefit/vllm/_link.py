@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
     Collection,
-    Coroutine,
     Mapping,
 )
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
-from anyio.abc import SocketStream
 
 from .._device import DeviceId
 from .._exceptions import (
@@ -55,17 +49,15 @@ from .._messages import (
     GetVersion,
     LoadBucket,
     ReleaseHandles,
-    Reply,
     ReportDevice,
     Request,
     SpecsReply,
     VersionReply,
-    encode,
 )
 from .._plan import ParamSpec
-from ..local._framing import FrameReader
 from ..transport._base import Handle
 from ._barrier import RankBarrier
+from ._channels import Answer, ChannelStatistics, RankChannels
 from ._ops import EngineLoopError as EngineLoopError
 from ._ops import PauseMode as PauseMode
 from ._ops import _AsyncLLMOps, _EngineOps, _LLMOps
@@ -80,15 +72,13 @@ from ._session import (
     Session,
     Start,
 )
-from ._wire import BACKEND, EXTENSION, Aborted, Hello, pack, unpack
+from ._wire import BACKEND, EXTENSION, Aborted
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-_Answer = Reply | Aborted
 
-_SEND_TIMEOUT = 30.0
 #: The default ``cleanup_timeout``: longer than a collective transport's receive (30 s)
 #: and a frame's send (30 s), which an abort may wait behind in the engine, so that by
 #: default an abort is answered rather than reported unconfirmed.
@@ -97,44 +87,6 @@ CLEANUP_TIMEOUT = 45.0
 
 class EngineConfigError(AsyncRefitError):
     """The vLLM engine was not started with asyncrefit's engine arguments."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChannelStatistics:
-    """What one vLLM worker received through its asyncrefit channel, in bytes as sent.
-
-    ``load_bytes`` and ``last_load_bytes`` count the frames carrying buckets (all of
-    them, and the last one): the bytes of handles a worker receives, framing included.
-    ``trigger_bytes`` is the pickled size of the arguments of the last RPC that told
-    the worker to read its channel; vLLM sends the same trigger to every worker.
-    """
-
-    frames: int
-    bytes: int
-    load_frames: int
-    load_bytes: int
-    last_load_bytes: int
-    trigger_bytes: int
-
-
-@dataclass(slots=True)
-class _Tally:
-    frames: int = 0
-    bytes: int = 0
-    load_frames: int = 0
-    load_bytes: int = 0
-    last_load_bytes: int = 0
-    trigger_bytes: int = 0
-
-    def freeze(self) -> ChannelStatistics:
-        return ChannelStatistics(
-            frames=self.frames,
-            bytes=self.bytes,
-            load_frames=self.load_frames,
-            load_bytes=self.load_bytes,
-            last_load_bytes=self.last_load_bytes,
-            trigger_bytes=self.trigger_bytes,
-        )
 
 
 # --- error translation -------------------------------------------------------------
@@ -166,7 +118,7 @@ def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Wo
     return WorkerRemoteError(name, "Interrupted", "the engine-wide step was interrupted")
 
 
-def _reply_of(reply: _Answer, name: str, kind: type[R]) -> R:
+def _reply_of(reply: Answer, name: str, kind: type[R]) -> R:
     if isinstance(reply, ErrorReply):
         raise remote_error(name, reply.type, reply.message)
     if not isinstance(reply, kind):
@@ -190,24 +142,19 @@ class _EngineLink:
         config = ops.vllm_config
         self._check_config(config)
         self.world = int(config.parallel_config.world_size)
-        self._streams: dict[int, SocketStream] = {}
-        self._readers: dict[int, FrameReader] = {}
-        self._tally = [_Tally() for _ in range(self.world)]
-        self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
+        self._channels = RankChannels(name, self.world, self.worker_name)
         self._session_lock = anyio.Lock()  # begin, commit and abort
-        self._next_id = 0
-        self._barrier: RankBarrier[Request, _Answer] = RankBarrier(
+        self._barrier: RankBarrier[Request, Answer] = RankBarrier(
             self.world, self.worker_name, self.translate
         )
         # What the engine owes between calls (paused, an open update, a stale prefix
         # cache, an unconfirmed abort): the link carries out the steps it returns.
         self._session = Session()
-        self._dead: str | None = None
-        self._dir: str | None = None
         self.workers = [VLLMWorker(self, rank) for rank in range(self.world)]
 
     def __repr__(self) -> str:
-        state = f"dead ({self._dead})" if self._dead else "alive"
+        dead = self._channels.dead
+        state = f"dead ({dead})" if dead else "alive"
         return f"<vLLM engine link {self.name!r} ranks={self.world} {self._session!r} {state}>"
 
     @staticmethod
@@ -237,21 +184,15 @@ class _EngineLink:
         return _translate(exc, self.worker_name(rank), names)
 
     def statistics(self, rank: int) -> ChannelStatistics:
-        return self._tally[rank].freeze()
+        return self._channels.statistics(rank)
 
     # --- lifecycle ----------------------------------------------------------------
 
     async def open(self) -> None:
         """Listen on a fresh socket, have every rank connect to it, match ranks."""
-        self._dir = tempfile.mkdtemp(prefix="asyncrefit-vllm-")
-        path = os.path.join(self._dir, "channel.sock")
-        listener = await anyio.create_unix_listener(path)
         try:
             with anyio.fail_after(self._rpc_timeout):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._ops.init, path, self._rpc_timeout)
-                    for _ in range(self.world):
-                        await self._accept(await listener.accept())
+                await self._channels.open(functools.partial(self._init, self._rpc_timeout))
         except TimeoutError:
             raise WorkerTimeoutError(
                 self.name, f"the engine's workers did not connect within {self._rpc_timeout} s"
@@ -261,26 +202,9 @@ class _EngineLink:
             if primary is None:
                 raise
             raise _translate(primary, self.name) from primary
-        finally:
-            with anyio.CancelScope(shield=True):
-                await listener.aclose()
 
-    async def _accept(self, stream: SocketStream) -> None:
-        reader = FrameReader(stream)
-        try:
-            _, hello = unpack(await reader.receive())
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-            raise
-        if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world:
-            await stream.aclose()
-            raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
-        if hello.rank in self._streams:
-            await stream.aclose()
-            raise WorkerRemoteError(self.name, "ProtocolError", f"rank {hello.rank} twice")
-        self._streams[hello.rank] = stream
-        self._readers[hello.rank] = reader
+    async def _init(self, read_timeout: float, path: str) -> None:
+        await self._ops.init(path, read_timeout)
 
     async def aclose(self) -> None:
         """End an open session (resuming generation), release the workers' channels.
@@ -303,103 +227,30 @@ class _EngineLink:
                     self._session_lock.release()
             else:
                 logger.error("engine %s: a push still holds the session; not aborted", self.name)
-            if self._dead is None and len(self._streams) == self.world:
+            if self._channels.connected:
                 await self._bounded("closing the workers' channels", self._ops.shutdown)
-            for stream in self._streams.values():
-                await stream.aclose()
-            self._streams.clear()
-            self._readers.clear()
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
-            if self._dead is None:
-                self._dead = "closed"
-
-    # --- one exchange: frames on every rank's channel, one trigger ------------------
-
-    async def _send(self, rank: int, request_id: int, request: Request) -> None:
-        data = pack(request_id, request)
-        # A frame cut in half would corrupt the channel: finish sending it even when
-        # cancelled (frames are small), but not forever.
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(_SEND_TIMEOUT) as scope:
-                try:
-                    await self._streams[rank].send(data)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    self._dead = f"rank {rank}'s channel broke"
-                    raise WorkerDiedError(self.worker_name(rank), self._dead) from None
-        if scope.cancelled_caught:
-            self._dead = f"sending to rank {rank} timed out"
-            raise WorkerTimeoutError(self.worker_name(rank), self._dead)
-        tally = self._tally[rank]
-        tally.frames += 1
-        tally.bytes += len(data)
-        if isinstance(request, LoadBucket):
-            tally.load_frames += 1
-            tally.load_bytes += len(data)
-            tally.last_load_bytes = len(data)
-
-    async def _receive(self, rank: int, request_id: int, replies: dict[int, _Answer]) -> None:
-        reader = self._readers[rank]
-        while True:
-            try:
-                payload = await reader.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._dead = f"rank {rank} closed its channel"
-                raise WorkerDiedError(self.worker_name(rank), self._dead) from None
-            got, reply = unpack(payload)
-            if got == request_id:
-                replies[rank] = reply
-                return
-            if got > request_id:
-                raise WorkerRemoteError(
-                    self.worker_name(rank), "ProtocolError", f"reply {got} before {request_id}"
-                )
-            # else: the late reply to a request whose caller was cancelled: drop it
+            await self._channels.aclose()
 
     async def _exchange(
         self, requests: Mapping[int, Request], via: Literal["serve", "update"]
-    ) -> dict[int, _Answer]:
-        """Write each rank's request on its channel, trigger them all, gather replies.
+    ) -> dict[int, Answer]:
+        """Each rank's request on its channel, triggered by one engine-wide RPC.
 
         ``via`` is the trigger: ``"update"`` is vLLM's ``update_weights`` (inside a
         weight-update session), ``"serve"`` the extension's ``collective_rpc`` method.
+        What vLLM carries to every worker: the ``update_info`` dict, or the args.
         """
-        trigger: Callable[[int], Coroutine[Any, Any, None]]
         if via == "update":
-            trigger, payload = self._ops.update, "update_info"
-        else:
-            trigger, payload = self._ops.serve, "args"
-        async with self._lock:
-            if self._dead is not None:
-                raise WorkerDiedError(self.name, self._dead)
-            self._next_id += 1
-            request_id = self._next_id
-            for rank, request in requests.items():
-                await self._send(rank, request_id, request)
-            # What vLLM carries to every worker: the update_info dict, or the args.
-            arguments: object = (
-                {"request_id": request_id} if payload == "update_info" else (request_id,)
+            return await self._channels.exchange(
+                requests, self._ops.update, lambda request_id: {"request_id": request_id}
             )
-            trigger_bytes = len(encode(arguments))
-            for tally in self._tally:
-                tally.trigger_bytes = trigger_bytes
-            replies: dict[int, _Answer] = {}
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(trigger, request_id)
-                    for rank in requests:
-                        tg.start_soon(self._receive, rank, request_id, replies)
-            except BaseExceptionGroup as group:
-                primary = primary_error(group)
-                if primary is None:
-                    raise
-                raise primary from None
-            return replies
+        return await self._channels.exchange(
+            requests, self._ops.serve, lambda request_id: (request_id,)
+        )
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
-    async def serve(self, rank: int, request: Request) -> _Answer:
+    async def serve(self, rank: int, request: Request) -> Answer:
         """A request outside weight updates (device, specs, version, release).
 
         These carry no handles and change no weights, so the same request goes to
@@ -412,8 +263,8 @@ class _EngineLink:
             raise self.translate(exc, rank) from exc
         return replies[rank]
 
-    async def begin(self, rank: int, version: int) -> _Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+    async def begin(self, rank: int, version: int) -> Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
             async with self._session_lock:
                 if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
@@ -429,15 +280,15 @@ class _EngineLink:
         request = BeginUpdate(version=version)
         return await self._barrier.gather(("begin", version), rank, request, run)
 
-    async def load(self, rank: int, request: LoadBucket) -> _Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+    async def load(self, rank: int, request: LoadBucket) -> Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
             return await self._exchange(requests, "update")
 
         key = ("load", request.version, request.bucket)
         return await self._barrier.gather(key, rank, request, run)
 
-    async def commit(self, rank: int, version: int, buckets: int) -> _Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+    async def commit(self, rank: int, version: int, buckets: int) -> Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
             async with self._session_lock:
                 if not self._session.receiving(version):
                     raise AsyncRefitError(f"version {version} is not being received")
