@@ -7,6 +7,12 @@ request on that rank's channel, sends the engine one trigger RPC carrying only t
 request id, and gathers each rank's reply from its channel. It also counts what each
 channel carried (:class:`ChannelStatistics`).
 
+The channels are :class:`asyncrefit._channel.FrameChannel`\\ s: they wait with
+:func:`anyio.wait_readable` / :func:`anyio.wait_writable` and do the non-blocking reads
+and writes themselves, so cancelling a read is safe on uvloop (which vLLM's
+``AsyncLLM`` runs on). Their frames are the worker's (:mod:`._wire`): an 8-byte length,
+an 8-byte request id, the pickled message.
+
 Resources: :meth:`RankChannels.open` creates a private directory holding the socket,
 listens only until every rank connected, and closes the listener on every path;
 :meth:`RankChannels.aclose` closes every channel and removes the directory.
@@ -31,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from anyio.abc import SocketStream
 
+from .._channel import HEADER, FrameChannel, UnixListener
 from .._exceptions import (
     WorkerDiedError,
     WorkerRemoteError,
@@ -40,8 +46,7 @@ from .._exceptions import (
     primary_error,
 )
 from .._messages import LoadBucket, Reply, Request, encode
-from ..local._framing import FrameReader
-from ._wire import Aborted, Hello, pack, unpack
+from ._wire import Aborted, Hello, body, unpack
 
 #: A worker's answer on its channel.
 Answer = Reply | Aborted
@@ -98,8 +103,7 @@ class RankChannels:
         self.name = name
         self.world = world
         self._worker_name = worker_name
-        self._streams: dict[int, SocketStream] = {}
-        self._readers: dict[int, FrameReader] = {}
+        self._channels: dict[int, FrameChannel] = {}
         self._tally = [_Tally() for _ in range(world)]
         self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
         self._next_id = 0
@@ -110,7 +114,7 @@ class RankChannels:
     @property
     def connected(self) -> bool:
         """Every rank connected, and no channel failed."""
-        return self.dead is None and len(self._streams) == self.world
+        return self.dead is None and len(self._channels) == self.world
 
     def statistics(self, rank: int) -> ChannelStatistics:
         return self._tally[rank].freeze()
@@ -126,7 +130,7 @@ class RankChannels:
         """
         self._dir = tempfile.mkdtemp(prefix="asyncrefit-vllm-")
         path = os.path.join(self._dir, "channel.sock")
-        listener = await anyio.create_unix_listener(path)
+        listener = UnixListener(path)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(start, path)
@@ -136,30 +140,27 @@ class RankChannels:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
 
-    async def _accept(self, stream: SocketStream) -> None:
-        reader = FrameReader(stream)
+    async def _accept(self, channel: FrameChannel) -> None:
         try:
-            _, hello = unpack(await reader.receive())
+            _, hello = unpack(await channel.receive())
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()
+                await channel.aclose()
             raise
         if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world:
-            await stream.aclose()
+            await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
-        if hello.rank in self._streams:
-            await stream.aclose()
+        if hello.rank in self._channels:
+            await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"rank {hello.rank} twice")
-        self._streams[hello.rank] = stream
-        self._readers[hello.rank] = reader
+        self._channels[hello.rank] = channel
 
     async def aclose(self) -> None:
         """Close every channel and remove the socket's directory; idempotent."""
         with anyio.CancelScope(shield=True):
-            for stream in self._streams.values():
-                await stream.aclose()
-            self._streams.clear()
-            self._readers.clear()
+            for channel in self._channels.values():
+                await channel.aclose()
+            self._channels.clear()
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
@@ -169,32 +170,31 @@ class RankChannels:
     # --- one exchange: frames on every rank's channel, one trigger ------------------
 
     async def _send(self, rank: int, request_id: int, request: Request) -> None:
-        data = pack(request_id, request)
-        # A frame cut in half would corrupt the channel: finish sending it even when
-        # cancelled (frames are small), but not forever.
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(_SEND_TIMEOUT) as scope:
-                try:
-                    await self._streams[rank].send(data)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    self.dead = f"rank {rank}'s channel broke"
-                    raise WorkerDiedError(self._worker_name(rank), self.dead) from None
-        if scope.cancelled_caught:
+        payload = body(request_id, request)
+        # A frame cut in half would corrupt the channel: the channel finishes sending it
+        # even when cancelled (frames are small), but not forever.
+        try:
+            await self._channels[rank].send(payload, within=_SEND_TIMEOUT)
+        except TimeoutError:
             self.dead = f"sending to rank {rank} timed out"
-            raise WorkerTimeoutError(self._worker_name(rank), self.dead)
+            raise WorkerTimeoutError(self._worker_name(rank), self.dead) from None
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            self.dead = f"rank {rank}'s channel broke"
+            raise WorkerDiedError(self._worker_name(rank), self.dead) from None
+        size = HEADER + len(payload)  # as sent: the length prefix included
         tally = self._tally[rank]
         tally.frames += 1
-        tally.bytes += len(data)
+        tally.bytes += size
         if isinstance(request, LoadBucket):
             tally.load_frames += 1
-            tally.load_bytes += len(data)
-            tally.last_load_bytes = len(data)
+            tally.load_bytes += size
+            tally.last_load_bytes = size
 
     async def _receive(self, rank: int, request_id: int, replies: dict[int, Answer]) -> None:
-        reader = self._readers[rank]
+        channel = self._channels[rank]
         while True:
             try:
-                payload = await reader.receive()
+                payload = await channel.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self.dead = f"rank {rank} closed its channel"
                 raise WorkerDiedError(self._worker_name(rank), self.dead) from None
