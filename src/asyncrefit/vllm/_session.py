@@ -20,24 +20,25 @@ Phases (generation is paused in every phase but ``IDLE``; ``v`` is the version):
 
     phase      event                        steps returned                     next phase
     ---------  ---------------------------  ---------------------------------  -----------
-    IDLE       begin(v)                     Pause, Start(v)
-    PAUSED     begin(v)                     Pause, Start(v)
-    IDLE       asking Pause                                                    PAUSED
+    closed     begin(v)  (none unconfirmed) Pause, Start(v)
+    closed     asking Pause                                                    PAUSED
     PAUSED     asking Start(v)                                                 UPDATING(v)
     UPDATING   commit(v)                    Finish("v"), ResetCache, Resume
     UPDATING   asking Finish("v")           (the cache becomes stale)          FINISHING(v)
     FINISHING  done Finish("v")                                                PAUSED
     open       abort()                      AbortWorkers(v)
-    open       aborted(confirmed, written)  Finish(None)[, Relabel(           ABORTING(v)
+    open       aborted(confirmed, written)  Finish(None)[, Relabel(            ABORTING(v)
                                             "incomplete-v")]
     ABORTING   done/failed Finish(None)                                        PAUSED
-    IDLE       abort() (unconfirmed v)      AbortWorkers(v)
-    IDLE       aborted(confirmed, _)        (forgets v once confirmed)
+    closed     abort()  (v unconfirmed)     AbortWorkers(v)
+    closed     aborted(confirmed, _)        (v is forgotten once confirmed)
     closed     resume()                     [ResetCache,] Resume  (if PAUSED
                                             or the cache is stale)
-    closed     done ResetCache              (the cache is fresh)
+    closed     asking/done ResetCache       (the cache is fresh once done)
     closed     failed ResetCache            Relabel("stale-cache")
+    closed     asking Relabel(label)
     closed     done Resume                                                     IDLE
+    closed     failed Resume                (still owed)                       PAUSED
 
 "open" is ``UPDATING``, ``FINISHING`` or ``ABORTING`` (vLLM's update may be open);
 "closed" is ``IDLE`` or ``PAUSED``. An abort ends an open update: it asks the workers to
@@ -48,7 +49,8 @@ unanswered abort is remembered (``unconfirmed``) and asked again by the next abo
 no update begins before it is confirmed. The cache is reset before generation resumes
 whenever weights changed since its last reset; a reset that fails relabels the engine
 ``"stale-cache"`` and generation resumes anyway. Generation never resumes while an
-update is open.
+update is open (only an abort interrupted by something other than a cancellation, which
+its shield stops, leaves one open: the next abort or the close ends it, then resumes).
 
 Errors: any other transition raises :class:`SessionError` (a bug of the caller, not of
 the engine); the state is then unchanged.
