@@ -118,7 +118,12 @@ def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Wo
 
 
 class _EngineLink:
-    """Channels to every worker of one engine, and the engine-wide steps over them."""
+    """One engine's ranks: their channels, the barrier that gathers their steps, and
+    the update session whose steps the link carries out with the engine's ops.
+
+    ``name`` names the engine (its ranks are ``name/rank-<i>``); ``rpc_timeout``
+    bounds connecting; ``cleanup`` bounds each engine call of an abort or the close.
+    """
 
     def __init__(self, ops: _EngineOps, name: str, rpc_timeout: float, cleanup: float) -> None:
         self._ops = ops
