@@ -45,7 +45,7 @@ from asyncrefit.vllm import (
     EngineLoopError,
     PauseMode,
     VLLMWorker,
-    _link,
+    _ops,
     connect_async_llm,
     connect_llm,
 )
@@ -582,7 +582,7 @@ async def test_llm_kept_prefix_cache_would_serve_stale_tokens(
     async def keep(self: Any) -> None:
         pass
 
-    monkeypatch.setattr(_link._LLMOps, "reset_cache", keep)
+    monkeypatch.setattr(_ops._LLMOps, "reset_cache", keep)
     assert False in await llm_prefix_pushes(llm, checkpoint)
 
 
@@ -602,8 +602,8 @@ async def test_async_llm_kept_prefix_cache_would_serve_stale_tokens(
     async def keep(self: Any) -> None:
         pass
 
-    monkeypatch.setattr(_link._AsyncLLMOps, "pause", pause_keeping_the_cache)
-    monkeypatch.setattr(_link._AsyncLLMOps, "reset_cache", keep)
+    monkeypatch.setattr(_ops._AsyncLLMOps, "pause", pause_keeping_the_cache)
+    monkeypatch.setattr(_ops._AsyncLLMOps, "reset_cache", keep)
     assert False in await async_prefix_pushes(async_llm, checkpoint, "keep")
 
 

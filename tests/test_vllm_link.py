@@ -55,7 +55,8 @@ from asyncrefit._plan import ParamSpec
 from asyncrefit.local._framing import FrameReader
 from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
-from asyncrefit.vllm._link import _connected, _EngineLink, _translate
+from asyncrefit.vllm._connect import _connected
+from asyncrefit.vllm._link import _EngineLink, _translate
 from asyncrefit.vllm._wire import BACKEND, EXTENSION, Aborted, Hello, pack, unpack
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,14 +14,14 @@ weight-update session loads them. Importing this package does not import vLLM; v
 imports :mod:`asyncrefit.vllm.worker` into its worker processes.
 """
 
-from ._link import ChannelStatistics as ChannelStatistics
+from ._channels import ChannelStatistics as ChannelStatistics
+from ._connect import VLLMWorker as VLLMWorker
+from ._connect import connect_async_llm as connect_async_llm
+from ._connect import connect_llm as connect_llm
+from ._connect import engine_args as engine_args
 from ._link import EngineConfigError as EngineConfigError
-from ._link import EngineLoopError as EngineLoopError
-from ._link import PauseMode as PauseMode
-from ._link import VLLMWorker as VLLMWorker
-from ._link import connect_async_llm as connect_async_llm
-from ._link import connect_llm as connect_llm
-from ._link import engine_args as engine_args
+from ._ops import EngineLoopError as EngineLoopError
+from ._ops import PauseMode as PauseMode
 from ._wire import BACKEND as BACKEND
 from ._wire import EXTENSION as EXTENSION
 

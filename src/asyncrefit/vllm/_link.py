@@ -1,38 +1,43 @@
-"""The coordinator's side of a vLLM engine: one :class:`VLLMWorker` per vLLM worker.
+"""The coordinator's side of one vLLM engine: :class:`_EngineLink`, shared by its ranks.
 
 A vLLM engine of tensor-parallel size N has N workers (ranks), and its RPCs are
 collective: ``collective_rpc`` and ``update_weights`` run on every rank with the same
 arguments. The coordinator, though, addresses each worker on its own (filtered handles,
-per-worker acks). :class:`_EngineLink` bridges the two: when every rank's
-:class:`VLLMWorker` has asked for the same step (a bucket, a commit, ...), it writes
-each rank's request on that rank's own channel and sends the engine one trigger RPC
-carrying only a request id; each rank answers on its channel. With N = 1 a step runs
-as soon as it is asked for.
+per-worker acks, one :class:`~asyncrefit.vllm.VLLMWorker` per rank). The link bridges
+the two: when every rank has asked for the same step (a bucket, a commit, ...; the
+:class:`~._barrier.RankBarrier`), it writes each rank's request on that rank's own
+channel and sends the engine one trigger RPC carrying only a request id
+(:class:`~._channels.RankChannels`); each rank answers on its channel. With N = 1 a step
+runs as soon as it is asked for.
+
+What the engine owes between calls (generation paused, vLLM's update open, a prefix
+cache holding KV of older weights, an abort not confirmed) is the
+:class:`~._session.Session`'s to say: the link asks it for the steps of a begin, a
+commit or an abort, and carries them out with the engine's ops (:mod:`._ops`), one at a
+time, in order, reporting each back.
+
+Errors: every failure reaches a rank as a :class:`~asyncrefit.WorkerError` naming it
+(:func:`_translate`; a failure at another rank is a :class:`~asyncrefit.PeerWorkerError`
+naming that rank). Cancellation and resources: begin, commit and abort take the session
+lock; an abort and closing are shielded from cancellation, each engine call of theirs
+bounded by the cleanup timeout, failures logged, and generation resumed on every path
+(see :meth:`_EngineLink._abort_locked`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import (
-    AsyncIterator,
     Awaitable,
     Callable,
     Collection,
-    Coroutine,
     Mapping,
 )
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal
 
 import anyio
-from anyio.abc import SocketStream
 
-from .._device import DeviceId
 from .._exceptions import (
     AsyncRefitError,
     PeerWorkerError,
@@ -46,36 +51,30 @@ from .._exceptions import (
 from .._messages import (
     AbortUpdate,
     BeginUpdate,
-    BucketAck,
     CommitUpdate,
-    DeviceReply,
-    Done,
     ErrorReply,
-    GetSpecs,
-    GetVersion,
     LoadBucket,
-    ReleaseHandles,
-    Reply,
-    ReportDevice,
     Request,
-    SpecsReply,
-    VersionReply,
-    encode,
 )
-from .._plan import ParamSpec
-from ..local._framing import FrameReader
-from ..transport._base import Handle
-from ._wire import BACKEND, EXTENSION, SERVE_METHOD, Aborted, Hello, pack, unpack
+from ._barrier import RankBarrier
+from ._channels import Answer, ChannelStatistics, RankChannels
+from ._ops import _EngineOps
+from ._session import (
+    AbortWorkers,
+    EngineStep,
+    Finish,
+    Pause,
+    Relabel,
+    ResetCache,
+    Resume,
+    Session,
+    Start,
+)
+from ._wire import BACKEND, EXTENSION, Aborted
 
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R")
 
-PauseMode = Literal["abort", "wait", "keep"]
-_Answer = Reply | Aborted
-_PAUSE_MODES = ("abort", "wait", "keep")
-
-_SEND_TIMEOUT = 30.0
 #: The default ``cleanup_timeout``: longer than a collective transport's receive (30 s)
 #: and a frame's send (30 s), which an abort may wait behind in the engine, so that by
 #: default an abort is answered rather than reported unconfirmed.
@@ -84,221 +83,6 @@ CLEANUP_TIMEOUT = 45.0
 
 class EngineConfigError(AsyncRefitError):
     """The vLLM engine was not started with asyncrefit's engine arguments."""
-
-
-class EngineLoopError(AsyncRefitError):
-    """An ``AsyncLLM`` was used from an event loop other than the one that owns it."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChannelStatistics:
-    """What one vLLM worker received through its asyncrefit channel, in bytes as sent.
-
-    ``load_bytes`` and ``last_load_bytes`` count the frames carrying buckets (all of
-    them, and the last one): the bytes of handles a worker receives, framing included.
-    ``trigger_bytes`` is the pickled size of the arguments of the last RPC that told
-    the worker to read its channel; vLLM sends the same trigger to every worker.
-    """
-
-    frames: int
-    bytes: int
-    load_frames: int
-    load_bytes: int
-    last_load_bytes: int
-    trigger_bytes: int
-
-
-@dataclass(slots=True)
-class _Tally:
-    frames: int = 0
-    bytes: int = 0
-    load_frames: int = 0
-    load_bytes: int = 0
-    last_load_bytes: int = 0
-    trigger_bytes: int = 0
-
-    def freeze(self) -> ChannelStatistics:
-        return ChannelStatistics(
-            frames=self.frames,
-            bytes=self.bytes,
-            load_frames=self.load_frames,
-            load_bytes=self.load_bytes,
-            last_load_bytes=self.last_load_bytes,
-            trigger_bytes=self.trigger_bytes,
-        )
-
-
-# --- the two kinds of engine -------------------------------------------------------
-
-
-class _EngineOps(Protocol):
-    """The engine-wide calls the link makes; each runs where the engine needs it."""
-
-    vllm_config: Any
-
-    async def serve(self, request_id: int) -> None: ...
-
-    async def update(self, request_id: int) -> None: ...
-
-    async def start(self) -> None: ...
-
-    async def finish(self, label: str | None) -> None: ...
-
-    async def set_label(self, label: str) -> None: ...
-
-    async def init(self, channel: str, read_timeout: float) -> None: ...
-
-    async def shutdown(self) -> None: ...
-
-    async def pause(self) -> None: ...
-
-    async def reset_cache(self) -> None: ...
-
-    async def resume(self) -> None: ...
-
-
-def _check_reset(done: object) -> None:
-    """vLLM answers a prefix-cache reset with whether it succeeded (``None`` where an
-    older release returned nothing)."""
-    if done is False:
-        raise RuntimeError("vLLM could not reset its prefix cache")
-
-
-class _AsyncLLMOps:
-    """An ``AsyncLLM``: every call is awaited on the loop that owns the engine."""
-
-    def __init__(self, engine: Any, pause_mode: PauseMode) -> None:
-        if pause_mode not in _PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {_PAUSE_MODES}, got {pause_mode!r}")
-        self._engine = engine
-        self.vllm_config = engine.vllm_config
-        self._mode = pause_mode
-        handler = getattr(engine, "output_handler", None)
-        # The engine's output handler task runs on the loop that owns it; an engine
-        # made outside a loop binds to the first loop that uses it: this one.
-        try:
-            current = asyncio.get_running_loop()
-        except RuntimeError:
-            raise EngineLoopError("an AsyncLLM is driven from an asyncio event loop") from None
-        self._loop = handler.get_loop() if isinstance(handler, asyncio.Task) else current
-        self._check()
-
-    def _check(self) -> None:
-        try:
-            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        if current is not self._loop:
-            raise EngineLoopError(
-                "this AsyncLLM belongs to another event loop: await asyncrefit's calls on "
-                "the loop that created the engine (not from another thread or loop)"
-            )
-
-    async def serve(self, request_id: int) -> None:
-        self._check()
-        await self._engine.collective_rpc(SERVE_METHOD, args=(request_id,))
-
-    async def update(self, request_id: int) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._check()
-        await self._engine.update_weights(
-            WeightTransferUpdateRequest(update_info={"request_id": request_id})
-        )
-
-    async def start(self) -> None:
-        self._check()
-        await self._engine.start_weight_update()
-
-    async def finish(self, label: str | None) -> None:
-        self._check()
-        await self._engine.finish_weight_update(weight_version=label)
-
-    async def set_label(self, label: str) -> None:
-        self._check()
-        await self._engine.update_weight_version(label)
-
-    async def init(self, channel: str, read_timeout: float) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._check()
-        await self._engine.init_weight_transfer_engine(
-            WeightTransferInitRequest(init_info={"channel": channel, "timeout": read_timeout})
-        )
-
-    async def shutdown(self) -> None:
-        self._check()
-        await self._engine.shutdown_weight_transfer_engine()
-
-    async def pause(self) -> None:
-        self._check()
-        # clear_cache: the prefix cache holds KV computed with the weights being
-        # replaced, and requests frozen by "keep" are preempted, to be recomputed.
-        await self._engine.pause_generation(mode=self._mode, clear_cache=True)
-
-    async def reset_cache(self) -> None:
-        self._check()
-        _check_reset(await self._engine.reset_prefix_cache(reset_running_requests=True))
-
-    async def resume(self) -> None:
-        self._check()
-        await self._engine.resume_generation()
-
-
-class _LLMOps:
-    """A synchronous ``LLM``: every call blocks, so it runs in a worker thread, one at a
-    time (``LLM`` is not thread-safe), bounded by ``timeout`` so that cancelling the
-    coordinator's wait never leaves a call running behind its back."""
-
-    def __init__(self, llm: Any, timeout: float) -> None:
-        self._llm = llm
-        self.vllm_config = llm.llm_engine.vllm_config
-        self._timeout = timeout
-        self._limiter = anyio.CapacityLimiter(1)
-
-    async def _run(self, fn: Callable[[], R]) -> R:
-        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
-
-    async def _rpc(
-        self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> None:
-        llm, timeout = self._llm, self._timeout
-        await self._run(lambda: llm.collective_rpc(method, timeout, args, kwargs))
-
-    async def serve(self, request_id: int) -> None:
-        await self._rpc(SERVE_METHOD, args=(request_id,))
-
-    async def update(self, request_id: int) -> None:
-        await self._rpc("update_weights", kwargs={"update_info": {"request_id": request_id}})
-
-    async def start(self) -> None:
-        await self._rpc("start_weight_update")
-
-    async def finish(self, label: str | None) -> None:
-        await self._rpc("finish_weight_update")
-        if label is not None:
-            await self.set_label(label)
-
-    async def set_label(self, label: str) -> None:
-        engine = self._llm.llm_engine
-        await self._run(lambda: engine.set_weight_version(label))
-
-    async def init(self, channel: str, read_timeout: float) -> None:
-        init_info = {"channel": channel, "timeout": read_timeout}
-        await self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-
-    async def shutdown(self) -> None:
-        await self._rpc("shutdown_weight_transfer_engine")
-
-    async def pause(self) -> None:
-        pass  # an LLM generates only inside its own blocking calls: nothing to pause
-
-    async def reset_cache(self) -> None:
-        llm = self._llm
-        _check_reset(await self._run(lambda: llm.reset_prefix_cache(reset_running_requests=True)))
-
-    async def resume(self) -> None:
-        pass
 
 
 # --- error translation -------------------------------------------------------------
@@ -330,31 +114,16 @@ def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Wo
     return WorkerRemoteError(name, "Interrupted", "the engine-wide step was interrupted")
 
 
-def _reply_of(reply: _Answer, name: str, kind: type[R]) -> R:
-    if isinstance(reply, ErrorReply):
-        raise remote_error(name, reply.type, reply.message)
-    if not isinstance(reply, kind):
-        raise WorkerRemoteError(
-            name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"
-        )
-    return reply
-
-
 # --- the link ----------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Gather:
-    """One engine-wide step, waiting for every rank to ask for it."""
-
-    requests: dict[int, Request] = field(default_factory=dict)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    replies: dict[int, _Answer] = field(default_factory=dict)
-    error: BaseException | None = None
-
-
 class _EngineLink:
-    """Channels to every worker of one engine, and the engine-wide steps over them."""
+    """One engine's ranks: their channels, the barrier that gathers their steps, and
+    the update session whose steps the link carries out with the engine's ops.
+
+    ``name`` names the engine (its ranks are ``name/rank-<i>``); ``rpc_timeout``
+    bounds connecting; ``cleanup`` bounds each engine call of an abort or the close.
+    """
 
     def __init__(self, ops: _EngineOps, name: str, rpc_timeout: float, cleanup: float) -> None:
         self._ops = ops
@@ -364,35 +133,19 @@ class _EngineLink:
         config = ops.vllm_config
         self._check_config(config)
         self.world = int(config.parallel_config.world_size)
-        self._streams: dict[int, SocketStream] = {}
-        self._readers: dict[int, FrameReader] = {}
-        self._tally = [_Tally() for _ in range(self.world)]
-        self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
+        self._channels = RankChannels(name, self.world, self.worker_name)
         self._session_lock = anyio.Lock()  # begin, commit and abort
-        self._next_id = 0
-        self._gathers: dict[tuple[Any, ...], _Gather] = {}
-        # The version of vLLM's weight-update session, from the call that starts it until
-        # the call that ends it (finish or abort): while set, no rank may generate
-        # before the session is ended.
-        self._session: int | None = None
-        self._finishing: int | None = None  # the version whose finish was asked for
-        # An abort that got no answer: no proof yet that no rank reads a trainer buffer.
-        self._unconfirmed: int | None = None
-        self._paused = False
-        # Weights changed since the prefix cache was last reset: KV cached under the
-        # old weights must be dropped before generation resumes (see _resume).
-        self._stale_cache = False
-        self._dead: str | None = None
-        self._dir: str | None = None
-        self.workers = [VLLMWorker(self, rank) for rank in range(self.world)]
+        self._barrier: RankBarrier[Request, Answer] = RankBarrier(
+            self.world, self.worker_name, self.translate
+        )
+        # What the engine owes between calls (paused, an open update, a stale prefix
+        # cache, an unconfirmed abort): the link carries out the steps it returns.
+        self._session = Session()
 
     def __repr__(self) -> str:
-        state = f"dead ({self._dead})" if self._dead else "alive"
-        return (
-            f"<vLLM engine link {self.name!r} ranks={self.world} session={self._session} "
-            f"unconfirmed={self._unconfirmed} paused={self._paused} "
-            f"stale_cache={self._stale_cache} {state}>"
-        )
+        dead = self._channels.dead
+        state = f"dead ({dead})" if dead else "alive"
+        return f"<vLLM engine link {self.name!r} ranks={self.world} {self._session!r} {state}>"
 
     @staticmethod
     def _check_config(config: Any) -> None:
@@ -421,21 +174,15 @@ class _EngineLink:
         return _translate(exc, self.worker_name(rank), names)
 
     def statistics(self, rank: int) -> ChannelStatistics:
-        return self._tally[rank].freeze()
+        return self._channels.statistics(rank)
 
     # --- lifecycle ----------------------------------------------------------------
 
     async def open(self) -> None:
         """Listen on a fresh socket, have every rank connect to it, match ranks."""
-        self._dir = tempfile.mkdtemp(prefix="asyncrefit-vllm-")
-        path = os.path.join(self._dir, "channel.sock")
-        listener = await anyio.create_unix_listener(path)
         try:
             with anyio.fail_after(self._rpc_timeout):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._ops.init, path, self._rpc_timeout)
-                    for _ in range(self.world):
-                        await self._accept(await listener.accept())
+                await self._channels.open(functools.partial(self._init, self._rpc_timeout))
         except TimeoutError:
             raise WorkerTimeoutError(
                 self.name, f"the engine's workers did not connect within {self._rpc_timeout} s"
@@ -445,26 +192,9 @@ class _EngineLink:
             if primary is None:
                 raise
             raise _translate(primary, self.name) from primary
-        finally:
-            with anyio.CancelScope(shield=True):
-                await listener.aclose()
 
-    async def _accept(self, stream: SocketStream) -> None:
-        reader = FrameReader(stream)
-        try:
-            _, hello = unpack(await reader.receive())
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-            raise
-        if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world:
-            await stream.aclose()
-            raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
-        if hello.rank in self._streams:
-            await stream.aclose()
-            raise WorkerRemoteError(self.name, "ProtocolError", f"rank {hello.rank} twice")
-        self._streams[hello.rank] = stream
-        self._readers[hello.rank] = reader
+    async def _init(self, read_timeout: float, path: str) -> None:
+        await self._ops.init(path, read_timeout)
 
     async def aclose(self) -> None:
         """End an open session (resuming generation), release the workers' channels.
@@ -487,140 +217,30 @@ class _EngineLink:
                     self._session_lock.release()
             else:
                 logger.error("engine %s: a push still holds the session; not aborted", self.name)
-            if self._dead is None and len(self._streams) == self.world:
+            if self._channels.connected:
                 await self._bounded("closing the workers' channels", self._ops.shutdown)
-            for stream in self._streams.values():
-                await stream.aclose()
-            self._streams.clear()
-            self._readers.clear()
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
-            if self._dead is None:
-                self._dead = "closed"
-
-    # --- one exchange: frames on every rank's channel, one trigger ------------------
-
-    async def _send(self, rank: int, request_id: int, request: Request) -> None:
-        data = pack(request_id, request)
-        # A frame cut in half would corrupt the channel: finish sending it even when
-        # cancelled (frames are small), but not forever.
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(_SEND_TIMEOUT) as scope:
-                try:
-                    await self._streams[rank].send(data)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    self._dead = f"rank {rank}'s channel broke"
-                    raise WorkerDiedError(self.worker_name(rank), self._dead) from None
-        if scope.cancelled_caught:
-            self._dead = f"sending to rank {rank} timed out"
-            raise WorkerTimeoutError(self.worker_name(rank), self._dead)
-        tally = self._tally[rank]
-        tally.frames += 1
-        tally.bytes += len(data)
-        if isinstance(request, LoadBucket):
-            tally.load_frames += 1
-            tally.load_bytes += len(data)
-            tally.last_load_bytes = len(data)
-
-    async def _receive(self, rank: int, request_id: int, replies: dict[int, _Answer]) -> None:
-        reader = self._readers[rank]
-        while True:
-            try:
-                payload = await reader.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._dead = f"rank {rank} closed its channel"
-                raise WorkerDiedError(self.worker_name(rank), self._dead) from None
-            got, reply = unpack(payload)
-            if got == request_id:
-                replies[rank] = reply
-                return
-            if got > request_id:
-                raise WorkerRemoteError(
-                    self.worker_name(rank), "ProtocolError", f"reply {got} before {request_id}"
-                )
-            # else: the late reply to a request whose caller was cancelled: drop it
+            await self._channels.aclose()
 
     async def _exchange(
         self, requests: Mapping[int, Request], via: Literal["serve", "update"]
-    ) -> dict[int, _Answer]:
-        """Write each rank's request on its channel, trigger them all, gather replies.
+    ) -> dict[int, Answer]:
+        """Each rank's request on its channel, triggered by one engine-wide RPC.
 
         ``via`` is the trigger: ``"update"`` is vLLM's ``update_weights`` (inside a
         weight-update session), ``"serve"`` the extension's ``collective_rpc`` method.
+        What vLLM carries to every worker: the ``update_info`` dict, or the args.
         """
-        trigger: Callable[[int], Coroutine[Any, Any, None]]
         if via == "update":
-            trigger, payload = self._ops.update, "update_info"
-        else:
-            trigger, payload = self._ops.serve, "args"
-        async with self._lock:
-            if self._dead is not None:
-                raise WorkerDiedError(self.name, self._dead)
-            self._next_id += 1
-            request_id = self._next_id
-            for rank, request in requests.items():
-                await self._send(rank, request_id, request)
-            # What vLLM carries to every worker: the update_info dict, or the args.
-            arguments: object = (
-                {"request_id": request_id} if payload == "update_info" else (request_id,)
+            return await self._channels.exchange(
+                requests, self._ops.update, lambda request_id: {"request_id": request_id}
             )
-            trigger_bytes = len(encode(arguments))
-            for tally in self._tally:
-                tally.trigger_bytes = trigger_bytes
-            replies: dict[int, _Answer] = {}
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(trigger, request_id)
-                    for rank in requests:
-                        tg.start_soon(self._receive, rank, request_id, replies)
-            except BaseExceptionGroup as group:
-                primary = primary_error(group)
-                if primary is None:
-                    raise
-                raise primary from None
-            return replies
+        return await self._channels.exchange(
+            requests, self._ops.serve, lambda request_id: (request_id,)
+        )
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
-    async def _gathered(
-        self,
-        key: tuple[Any, ...],
-        rank: int,
-        request: Request,
-        run: Callable[[dict[int, Request]], Awaitable[dict[int, _Answer]]],
-    ) -> _Answer:
-        gather = self._gathers.get(key)
-        if gather is None:
-            gather = self._gathers[key] = _Gather()
-        if rank in gather.requests:
-            raise AsyncRefitError(f"{self.worker_name(rank)} asked for step {key} twice")
-        gather.requests[rank] = request
-        if len(gather.requests) < self.world:
-            await gather.done.wait()
-        else:
-            del self._gathers[key]
-            try:
-                gather.replies = await run(dict(gather.requests))
-            except BaseException as exc:
-                gather.error = exc
-                if isinstance(exc, Exception):
-                    raise self.translate(exc, rank) from exc
-                raise
-            finally:
-                gather.done.set()
-        if gather.error is not None:
-            raise self.translate(gather.error, rank) from gather.error
-        return gather.replies[rank]
-
-    def _drop_gathers(self) -> None:
-        """Wake ranks still waiting for steps that will never run (a push ended)."""
-        gathers, self._gathers = self._gathers, {}
-        for gather in gathers.values():
-            gather.error = AsyncRefitError("the push ended before every rank asked for this step")
-            gather.done.set()
-
-    async def serve(self, rank: int, request: Request) -> _Answer:
+    async def serve(self, rank: int, request: Request) -> Answer:
         """A request outside weight updates (device, specs, version, release).
 
         These carry no handles and change no weights, so the same request goes to
@@ -633,33 +253,34 @@ class _EngineLink:
             raise self.translate(exc, rank) from exc
         return replies[rank]
 
-    async def begin(self, rank: int, version: int) -> _Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+    async def begin(self, rank: int, version: int) -> Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
             async with self._session_lock:
-                if self._session is not None or self._unconfirmed is not None:
+                if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
-                self._drop_gathers()
-                # Each set before its call: if the call fails or is cancelled, the abort
-                # that follows ends whatever was started, then resumes generation.
-                self._paused = True
-                await self._ops.pause()
-                self._session = version
-                await self._ops.start()
+                self._barrier.drop()
+                # Each asked for before its call: if the call fails or is cancelled, the
+                # abort that follows ends whatever was started, then resumes generation.
+                for step in self._session.begin(version):
+                    self._session.asking(step)
+                    await self._call(step)
+                    self._session.done(step)
                 return await self._exchange(requests, "update")
 
-        return await self._gathered(("begin", version), rank, BeginUpdate(version=version), run)
+        request = BeginUpdate(version=version)
+        return await self._barrier.gather(("begin", version), rank, request, run)
 
-    async def load(self, rank: int, request: LoadBucket) -> _Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+    async def load(self, rank: int, request: LoadBucket) -> Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
             return await self._exchange(requests, "update")
 
         key = ("load", request.version, request.bucket)
-        return await self._gathered(key, rank, request, run)
+        return await self._barrier.gather(key, rank, request, run)
 
-    async def commit(self, rank: int, version: int, buckets: int) -> _Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, _Answer]:
+    async def commit(self, rank: int, version: int, buckets: int) -> Answer:
+        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
             async with self._session_lock:
-                if self._session != version:
+                if not self._session.receiving(version):
                     raise AsyncRefitError(f"version {version} is not being received")
                 replies = await self._exchange(requests, "update")
                 failed = {r: e for r, e in replies.items() if isinstance(e, ErrorReply)}
@@ -672,33 +293,27 @@ class _EngineLink:
                         message=f"rank {bad} could not commit: {error.type}: {error.message}",
                     )
                     return {r: failed.get(r, peer) for r in replies}
-                # From here on every byte is in: if finishing fails, the abort that
-                # follows labels the engine incomplete whatever the workers say.
-                self._finishing = version
-                self._stale_cache = True  # from the first byte finishing may change
-                await self._ops.finish(str(version))
-                self._session = self._finishing = None
-                step = "resetting the prefix cache"
-                try:
-                    # The label and the cache move together: no block computed with
-                    # older weights is reused once generation resumes.
-                    await self._ops.reset_cache()
-                    self._stale_cache = False
-                    step = "resuming generation"
-                    await self._ops.resume()
-                except Exception as exc:
-                    # Still paused: fail the push; the abort that follows resets the
-                    # cache (or relabels the engine) and resumes.
-                    raise WorkerRemoteError(
-                        self.name,
-                        type(exc).__name__,
-                        f"version {version} is in, but {step} failed: {exc}",
-                    ) from exc
-                self._paused = False  # only once resumed: else the next abort retries
+                # Finish (the label), then reset the cache: the label and the cache move
+                # together, no block computed with older weights is reused once
+                # generation resumes. A step that fails leaves it asked for: still
+                # paused, the push fails, and the abort that follows ends it.
+                for step in self._session.commit(version):
+                    self._session.asking(step)
+                    try:
+                        await self._call(step)
+                    except Exception as exc:
+                        if isinstance(step, Finish):
+                            raise
+                        raise WorkerRemoteError(
+                            self.name,
+                            type(exc).__name__,
+                            f"version {version} is in, but {step.what} failed: {exc}",
+                        ) from exc
+                    self._session.done(step)
                 return replies
 
         request = CommitUpdate(version=version, buckets=buckets)
-        return await self._gathered(("commit", version), rank, request, run)
+        return await self._barrier.gather(("commit", version), rank, request, run)
 
     async def abort(self, rank: int, version: int) -> None:
         """End the engine's session, whichever rank asks first; never waits for others.
@@ -717,38 +332,36 @@ class _EngineLink:
         Shielded from cancellation: once begun, every step is taken, each engine call
         bounded by the cleanup timeout. The engine runs its calls in order, so a call
         that timed out here still comes before the ones after it (the abort before the
-        finish, the finish before the resume). State is cleared only by the step that
-        concludes it: the session by ending vLLM's update, the pause by a resume that
-        succeeded (a failed one is retried by the next abort or close).
+        finish, the finish before the resume). The session forgets what is owed only
+        once the step that settles it is done: the open update once vLLM's update was
+        ended, the pause once a resume succeeded (a failed one is retried by the next
+        abort or close).
         """
-        self._drop_gathers()
+        self._barrier.drop()
         unconfirmed: Exception | None = None
         with anyio.CancelScope(shield=True):
             try:
-                if self._session is not None or self._unconfirmed is not None:
-                    unconfirmed = await self._end_session()
+                for ask in self._session.abort():
+                    unconfirmed = await self._end_update(ask)
             finally:
-                if self._paused or self._stale_cache:
-                    await self._resume()
+                await self._clean_up(self._session.resume())
         if unconfirmed is not None:
             raise unconfirmed
 
-    async def _end_session(self) -> Exception | None:
-        """The abort exchange, then (if a session is open) vLLM's finish and the label;
+    async def _end_update(self, ask: AbortWorkers) -> Exception | None:
+        """The abort exchange, then (if an update is open) vLLM's finish and the label;
         returns why the abort is unconfirmed, or ``None``."""
-        session = self._session
-        version = session if session is not None else self._unconfirmed
-        assert version is not None
-        written = self._finishing == version  # every byte was in when finishing failed
+        version = ask.version
+        self._session.asking(ask)
         unconfirmed: Exception | None = None
+        written = False
         try:
             with anyio.fail_after(self._cleanup):
                 replies = await self._exchange(
                     {r: AbortUpdate(version=version) for r in range(self.world)}, "serve"
                 )
         except Exception as exc:
-            unconfirmed = exc
-            written = True  # unless every rank says otherwise
+            unconfirmed = exc  # and written, unless every rank says otherwise
             if isinstance(exc, TimeoutError):
                 unconfirmed = WorkerTimeoutError(
                     self.name,
@@ -758,22 +371,41 @@ class _EngineLink:
         else:
             # Any reply, an error included, comes after every earlier request of that
             # rank was handled: no rank reads a trainer buffer any more.
-            written = written or not all(
+            written = not all(
                 isinstance(reply, Aborted) and not reply.written for reply in replies.values()
             )
-        self._unconfirmed = None if unconfirmed is None else version
-        if session is None:
-            return unconfirmed  # vLLM's update was ended before: only confirming
-        if written:
-            self._stale_cache = True  # the KV cached so far was computed with older weights
-        await self._bounded("ending vLLM's weight update", lambda: self._ops.finish(None))
-        self._session = self._finishing = None
-        if written:  # outputs must not claim a version the engine no longer holds whole
-            await self._relabel(f"incomplete-{version}")
+        steps = self._session.aborted(confirmed=unconfirmed is None, written=written)
+        await self._clean_up(steps)
         return unconfirmed
 
-    async def _relabel(self, label: str) -> None:
-        await self._bounded("relabelling", lambda: self._ops.set_label(label))
+    async def _clean_up(self, steps: tuple[EngineStep, ...]) -> None:
+        """Carry out cleanup steps, each bounded by the cleanup timeout, failures logged
+        (the session says what a failure takes next)."""
+        pending = list(steps)
+        while pending:
+            step = pending.pop(0)
+            self._session.asking(step)
+            if await self._bounded(step.what, functools.partial(self._call, step)):
+                self._session.done(step)
+            else:
+                pending[:0] = self._session.failed(step)
+
+    async def _call(self, step: EngineStep) -> None:
+        """The engine call that carries out ``step``."""
+        ops = self._ops
+        match step:
+            case Pause():
+                await ops.pause()
+            case Start():
+                await ops.start()
+            case Finish(label=label):
+                await ops.finish(label)
+            case ResetCache():
+                await ops.reset_cache()
+            case Resume():
+                await ops.resume()
+            case Relabel(label=label):
+                await ops.set_label(label)
 
     async def _bounded(self, what: str, call: Callable[[], Awaitable[None]]) -> bool:
         """One engine call of a cleanup, at most the cleanup timeout; failures logged."""
@@ -786,202 +418,3 @@ class _EngineLink:
             logger.error("engine %s: %s failed: %s", self.name, what, exc)
             return False
         return True
-
-    async def _resume(self) -> None:
-        """Reset the prefix cache if weights changed since it was reset, then resume.
-
-        A reset that fails leaves the engine serving KV computed with older weights:
-        its weight version says so (``"stale-cache"``), and generation resumes anyway
-        (an engine is never left paused by asyncrefit).
-        """
-        if self._stale_cache:
-            if await self._bounded("resetting the prefix cache", self._ops.reset_cache):
-                self._stale_cache = False
-            else:
-                await self._relabel("stale-cache")
-        if await self._bounded("resuming generation", self._ops.resume):
-            self._paused = False
-
-
-class VLLMWorker:
-    """One vLLM worker (one rank of one engine), as the coordinator sees it.
-
-    Implements :class:`asyncrefit.Worker`. Made by :func:`connect_async_llm` or
-    :func:`connect_llm`, one per rank. Each rank is sent only its own device's handle,
-    on its own channel; the engine-wide RPC that tells the workers to read their
-    channels carries only a request id. Steps that vLLM runs on every rank at once
-    (begin, each bucket, commit) run when every rank's worker has asked for them, so
-    the workers of one engine must be pushed to together (the coordinator does).
-
-    A push pauses generation at begin (``AsyncLLM``, in the mode given), starts vLLM's
-    weight update, loads every bucket through ``update_weights``, finishes the update
-    with the version as the engine's weight version, and resumes generation.
-
-    Error handling: a failure inside the worker raises :class:`WorkerRemoteError`
-    naming this worker; a dead engine or broken channel :class:`WorkerDiedError`; a
-    step that failed at another rank of the engine :class:`~asyncrefit.PeerWorkerError`
-    naming that rank. A commit is refused with
-    :class:`~asyncrefit.WorkerStaleWeightsError` when part of the model could not follow
-    the pushed weights. An abort (which the coordinator sends after any failure) ends
-    vLLM's update session and always resumes generation (see
-    :func:`connect_async_llm`); if bytes of the new version were written, or finishing
-    the update failed, the engine's weight version becomes ``"incomplete-<version>"``.
-    """
-
-    def __init__(self, link: _EngineLink, rank: int) -> None:
-        self._link = link
-        self._rank = rank
-        self._name = link.worker_name(rank)
-
-    def __repr__(self) -> str:
-        return f"<VLLMWorker {self._name!r} rank={self._rank}>"
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    def statistics(self) -> ChannelStatistics:
-        """Bytes this worker's channel carried so far (handles included)."""
-        return self._link.statistics(self._rank)
-
-    async def report_device_id_async(self) -> DeviceId:
-        """Asks the vLLM worker, through ``collective_rpc`` awaited on the engine's loop."""
-        reply = await self._link.serve(self._rank, ReportDevice())
-        return _reply_of(reply, self._name, DeviceReply).device
-
-    async def parameter_specs(self) -> tuple[ParamSpec, ...]:
-        """The checkpoint names, shapes and the engine's dtype the model loads."""
-        reply = await self._link.serve(self._rank, GetSpecs())
-        return _reply_of(reply, self._name, SpecsReply).specs
-
-    async def begin_update(self, version: int) -> None:
-        reply = await self._link.begin(self._rank, version)
-        _reply_of(reply, self._name, Done)
-
-    async def load_bucket(
-        self, version: int, bucket: int, handles: tuple[Handle, ...]
-    ) -> BucketAck:
-        request = LoadBucket(version=version, bucket=bucket, handles=handles)
-        return _reply_of(await self._link.load(self._rank, request), self._name, BucketAck)
-
-    async def commit_update(self, version: int, buckets: int) -> None:
-        reply = await self._link.commit(self._rank, version, buckets)
-        _reply_of(reply, self._name, Done)
-
-    async def abort_update(self, version: int) -> None:
-        try:
-            await self._link.abort(self._rank, version)
-        except Exception as exc:
-            raise self._link.translate(exc, self._rank) from exc
-
-    async def weight_version(self) -> int | None:
-        reply = await self._link.serve(self._rank, GetVersion())
-        return _reply_of(reply, self._name, VersionReply).version
-
-    async def release_handles(self) -> None:
-        reply = await self._link.serve(self._rank, ReleaseHandles())
-        _reply_of(reply, self._name, Done)
-
-
-@asynccontextmanager
-async def _connected(link: _EngineLink) -> AsyncIterator[list[VLLMWorker]]:
-    try:
-        await link.open()
-        yield list(link.workers)
-    finally:
-        await link.aclose()
-
-
-@asynccontextmanager
-async def connect_async_llm(
-    engine: Any,
-    *,
-    pause_mode: PauseMode = "keep",
-    name: str = "vllm",
-    rpc_timeout: float = 60.0,
-    cleanup_timeout: float = CLEANUP_TIMEOUT,
-) -> AsyncIterator[list[VLLMWorker]]:
-    """Connect to a running ``vllm.AsyncLLM``; yields one :class:`VLLMWorker` per rank.
-
-    Enter it on the event loop that owns ``engine`` (the loop it was created on):
-    every engine call is awaited there, and a call from another loop or thread raises
-    :class:`EngineLoopError`. The engine must have been started with
-    :func:`engine_args` (else :class:`EngineConfigError`).
-
-    Generation may go on during pushes: each push pauses it with
-    ``pause_generation(mode=pause_mode)`` — ``"abort"`` ends requests in flight,
-    ``"wait"`` lets them finish first (the coordinator's timeout then bounds how
-    long), ``"keep"`` freezes them and continues them on the new weights — and
-    resumes it when the push ends, also when it fails.
-
-    No KV computed with older weights is used after a push: the pause clears the
-    prefix cache, and once the new weights are in (or a failed push wrote some bytes)
-    the prefix cache is reset again before generation resumes, together with the
-    engine's weight version. Requests frozen by ``"keep"`` are preempted by that
-    reset: they keep the tokens generated so far and recompute their KV on the new
-    weights. (There is no way to keep the cache: it would serve tokens of the old
-    weights.) If vLLM cannot reset its cache, the push fails and the engine's weight
-    version becomes ``"stale-cache"``.
-
-    Resource handling: entering opens one Unix socket that every rank connects to;
-    exiting ends any open update session, resumes generation, asks the workers to
-    close their channels and handle mappings (``shutdown_weight_transfer_engine``),
-    and removes the socket, shielded from cancellation. It does not shut the engine
-    down.
-
-    Cleanup is bounded per engine call: an abort (which the coordinator sends after a
-    failed or cancelled push) and exiting wait at most ``cleanup_timeout`` for each of
-    the abort exchange, vLLM's ``finish_weight_update``, the relabelling and
-    ``resume_generation``, and run to their end even when the coordinator's own
-    ``cleanup_timeout`` (or a cancellation) cuts its wait short: generation is resumed
-    on every path. The engine runs its calls in order, so a call that timed out still
-    comes before those after it. A resume that fails is retried by the next abort and
-    on exit; a commit whose resume fails fails the push (its weights are in).
-
-    Error handling: :class:`EngineConfigError` and :class:`EngineLoopError` before
-    anything is sent; :class:`~asyncrefit.WorkerTimeoutError` if the workers do not
-    connect within ``rpc_timeout``; vLLM's own errors as
-    :class:`~asyncrefit.WorkerRemoteError` (a dead engine:
-    :class:`~asyncrefit.WorkerDiedError`). See :class:`VLLMWorker` for pushes.
-    """
-    link = _EngineLink(_AsyncLLMOps(engine, pause_mode), name, rpc_timeout, cleanup_timeout)
-    async with _connected(link) as workers:
-        yield workers
-
-
-@asynccontextmanager
-async def connect_llm(
-    llm: Any,
-    *,
-    name: str = "vllm",
-    rpc_timeout: float = 60.0,
-    cleanup_timeout: float = CLEANUP_TIMEOUT,
-) -> AsyncIterator[list[VLLMWorker]]:
-    """Connect to a ``vllm.LLM``; yields one :class:`VLLMWorker` per rank.
-
-    ``LLM`` is synchronous: each of its calls runs in a worker thread, one at a time,
-    so the coordinator's loop keeps running; each is bounded by ``rpc_timeout``. Do not
-    call ``llm.generate`` from another thread during a push: nothing pauses it. The
-    engine must have been started with :func:`engine_args`. Once the new weights are
-    in (or a failed push wrote some), the prefix cache is reset, so that the next
-    ``generate`` computes no token from KV of older weights.
-
-    Resource handling and error handling: as :func:`connect_async_llm`.
-    """
-    link = _EngineLink(_LLMOps(llm, rpc_timeout), name, rpc_timeout, cleanup_timeout)
-    async with _connected(link) as workers:
-        yield workers
-
-
-def engine_args() -> dict[str, Any]:
-    """The engine arguments asyncrefit needs, for ``vllm.LLM(...)`` or ``AsyncEngineArgs``.
-
-    ``worker_extension_cls`` makes vLLM load :mod:`asyncrefit.vllm.worker` into every
-    worker (which registers the weight-transfer backend), ``weight_transfer_config``
-    selects that backend.
-    """
-    return {"worker_extension_cls": EXTENSION, "weight_transfer_config": {"backend": BACKEND}}

@@ -52,9 +52,14 @@ class Aborted:
     written: bool
 
 
+def body(request_id: int, message: object) -> bytes:
+    """A frame's payload (what follows the length): ``request_id``, then ``message``."""
+    return request_id.to_bytes(_ID_BYTES, "big") + encode(message)
+
+
 def pack(request_id: int, message: object) -> bytes:
     """One whole frame carrying ``message`` under ``request_id``."""
-    return frame(request_id.to_bytes(_ID_BYTES, "big") + encode(message))
+    return frame(body(request_id, message))
 
 
 def unpack(payload: bytes) -> tuple[int, Any]:

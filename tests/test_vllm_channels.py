@@ -1,0 +1,106 @@
+"""The coordinator's rank channels against the worker's blocking end; no vLLM.
+
+:class:`~asyncrefit.vllm._channels.RankChannels` (non-blocking, uvloop-safe frame
+channels) must speak the frames of :class:`~asyncrefit.vllm._wire.BlockingChannel`, the
+end vLLM's worker processes use: each rank, in a thread, connects, greets, and answers
+the request its trigger names, skipping the requests of cancelled exchanges.
+"""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+import pytest
+
+from asyncrefit import WorkerDiedError
+from asyncrefit._messages import GetVersion, VersionReply
+from asyncrefit.vllm._channels import RankChannels
+from asyncrefit.vllm._wire import FRAME_OVERHEAD, BlockingChannel, Hello, pack
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Rank:
+    """One worker's blocking end, served from a thread on each trigger."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.channel: BlockingChannel | None = None
+        self.skipped: list[int] = []
+
+    def connect(self, path: str) -> None:
+        self.channel = BlockingChannel(path, timeout=5.0)
+        self.channel.send(0, Hello(rank=self.rank, pid=os.getpid()))
+
+    def serve(self, request_id: int) -> None:
+        assert self.channel is not None
+        while True:
+            got, request = self.channel.receive()
+            if got == request_id:
+                break
+            self.skipped.append(got)
+        assert isinstance(request, GetVersion)
+        self.channel.send(request_id, VersionReply(version=self.rank))
+
+
+async def test_rank_channels_speak_the_workers_frames() -> None:
+    ranks = [Rank(1), Rank(0)]  # connect out of order: matched by greeting
+    channels = RankChannels("e", 2, lambda r: f"e/rank-{r}")
+
+    async def start(path: str) -> None:
+        for rank in ranks:
+            await anyio.to_thread.run_sync(rank.connect, path)
+
+    async def trigger(request_id: int) -> None:
+        async with anyio.create_task_group() as tg:
+            for rank in ranks:
+                tg.start_soon(anyio.to_thread.run_sync, rank.serve, request_id)
+
+    async def never(request_id: int) -> None:
+        await anyio.sleep_forever()
+
+    try:
+        with anyio.fail_after(10):
+            await channels.open(start)
+        assert channels.connected
+        with anyio.move_on_after(0.1):  # cancelled: its frames stay unread until skipped
+            await channels.exchange(dict.fromkeys(range(2), GetVersion()), never, lambda i: (i,))
+        replies = await channels.exchange(
+            dict.fromkeys(range(2), GetVersion()), trigger, lambda i: (i,)
+        )
+        assert replies == {0: VersionReply(version=0), 1: VersionReply(version=1)}
+        assert [rank.skipped for rank in ranks] == [[1], [1]]
+        stats = channels.statistics(0)
+        assert stats.frames == 2
+        assert stats.bytes == 2 * len(pack(2, GetVersion()))
+        assert stats.trigger_bytes > 0 and FRAME_OVERHEAD == 16
+    finally:
+        await channels.aclose()
+        for rank in ranks:
+            if rank.channel is not None:
+                rank.channel.close()
+    assert channels.dead == "closed" and not channels.connected
+
+
+async def test_a_rank_that_closes_its_channel_kills_the_channels() -> None:
+    rank = Rank(0)
+    channels = RankChannels("e", 1, lambda r: f"e/rank-{r}")
+
+    async def start(path: str) -> None:
+        await anyio.to_thread.run_sync(rank.connect, path)
+
+    async def hang_up(request_id: int) -> None:
+        assert rank.channel is not None
+        rank.channel.close()
+
+    try:
+        await channels.open(start)
+        with pytest.raises(WorkerDiedError, match="rank 0 closed its channel") as info:
+            await channels.exchange({0: GetVersion()}, hang_up, lambda i: (i,))
+        assert info.value.worker == "e/rank-0"
+        with pytest.raises(WorkerDiedError, match="rank 0 closed its channel") as later:
+            await channels.exchange({0: GetVersion()}, hang_up, lambda i: (i,))
+        assert later.value.worker == "e"
+    finally:
+        await channels.aclose()
