@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from .._channel import FrameChannel, UnixListener
 from .._device import DeviceId, cpu_device
 from .._exceptions import (
     WorkerDiedError,
@@ -22,7 +21,9 @@ from .._exceptions import (
     one_error,
     remote_error,
 )
-from .._messages import (
+from .._plan import ParamSpec
+from .._wire._channel import FrameChannel, UnixListener
+from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -45,8 +46,7 @@ from .._messages import (
     SpecsReply,
     VersionReply,
 )
-from .._mux import ChannelFailedError, RequestChannel
-from .._plan import ParamSpec
+from .._wire._mux import ChannelFailedError, RequestChannel
 from ._faults import WorkerFaults
 from ._server import worker_main
 

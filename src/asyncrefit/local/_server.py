@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._channel import connect_unix
 from .._device import DeviceId
 from .._endpoint import error_reply
 from .._loop import backend_options
-from .._messages import (
+from .._receiver import ParameterReceiver
+from .._wire._channel import connect_unix
+from .._wire._messages import (
     DeviceReply,
     Digest,
     DigestReply,
@@ -34,8 +35,7 @@ from .._messages import (
     Shutdown,
     encode,
 )
-from .._receiver import ParameterReceiver
-from .._refs import RefDecoder, UnknownHandleError
+from .._wire._refs import RefDecoder, UnknownHandleError
 from ._faults import WorkerFaults
 
 if TYPE_CHECKING:

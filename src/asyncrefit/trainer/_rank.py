@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
-from .._channel import FrameChannel, UnixListener, connect_unix
 from .._exceptions import (
     ClosedError,
     SourceDiedError,
@@ -32,7 +31,8 @@ from .._exceptions import (
     SourceRemoteError,
     SourceTimeoutError,
 )
-from .._messages import Done, ErrorReply, decode, encode
+from .._wire._channel import FrameChannel, UnixListener, connect_unix
+from .._wire._messages import Done, ErrorReply, decode, encode
 from .._worker import SourceInfo, TrainerSource
 
 if TYPE_CHECKING:
