@@ -25,6 +25,7 @@ from ._exceptions import TransportError
 from ._layout import Declared, check_layout, reach
 from ._plan import ParamSpec
 from ._version import VersionState
+from ._wire._errors import error_reply as error_reply
 from ._wire._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -51,11 +52,6 @@ logger = logging.getLogger(__name__)
 
 AbortReply = TypeVar("AbortReply")
 AbortReply_co = TypeVar("AbortReply_co", covariant=True)
-
-
-def error_reply(exc: BaseException) -> ErrorReply:
-    """The reply to a request that raised ``exc``: its type name and message."""
-    return ErrorReply(type=type(exc).__name__, message=str(exc))
 
 
 class Sink(Protocol[AbortReply_co]):

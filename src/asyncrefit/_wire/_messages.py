@@ -1,15 +1,20 @@
-"""Wire types: what a coordinator and a worker say to each other.
+"""The codec and the vocabulary: what a coordinator and its peers say to each other.
 
-Every message is a frozen, slotted, keyword-only dataclass. Requests and replies each
-form one union, dispatched with ``match``. Handles are transport records (see
-:mod:`asyncrefit.transport`): small, and never tensors or coroutines.
+Owns :func:`encode` / :func:`decode` (pickle protocol 5: local, trusted peers only)
+and the messages. Every message is a frozen, slotted, keyword-only dataclass.
+Requests and replies each form one union, dispatched with ``match``. Handles are
+transport records (see :mod:`asyncrefit.transport`): small, and never tensors or
+coroutines. A peer's first frame on a connection is a :class:`Hello`; a request that
+failed is answered with an :class:`ErrorReply` (turned back into a typed error by
+:mod:`asyncrefit._wire._errors`). The trainer ranks' requests and replies live with
+the ranks (:mod:`asyncrefit.trainer._rank`) and travel with this codec.
 """
 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
 
 from .._device import DeviceId
 from .._plan import ParamSpec
@@ -30,9 +35,11 @@ __all__ = (
     "ForwardReply",
     "GetSpecs",
     "GetVersion",
+    "Hello",
     "LoadBucket",
     "LoadSizes",
     "ReleaseHandles",
+    "RemoteKind",
     "Reply",
     "ReportDevice",
     "Request",
@@ -43,6 +50,24 @@ __all__ = (
     "encode",
     "encoded_size",
 )
+
+# --- greeting ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """The first frame a peer sends on its connection: who it is.
+
+    ``role`` says what the peer serves (``"rank"``: a trainer rank's source);
+    ``name`` names it, ``rank`` is its index among its kind, and ``pid`` lets the
+    coordinator sweep what a dead peer left behind.
+    """
+
+    role: Literal["rank", "worker"]
+    pid: int
+    name: str = ""
+    rank: int = 0
+
 
 # --- requests ------------------------------------------------------------------------
 
@@ -182,12 +207,22 @@ class ForwardReply:
     output: Any
 
 
+#: What kind of failure an :class:`ErrorReply` reports, decided where it was raised
+#: (see :func:`asyncrefit._wire._errors.error_reply`): ``"error"`` any error,
+#: ``"integrity"`` a checksum mismatch, ``"stale_weights"`` a refused commit,
+#: ``"protocol"`` a request the peer does not understand; ``""``: not said (a peer
+#: that only names the error's type: the type name decides).
+RemoteKind: TypeAlias = Literal["", "error", "integrity", "stale_weights", "protocol"]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ErrorReply:
-    """The request failed on the worker: the error's type name and message, as text."""
+    """The request failed on the worker: the error's type name and message, as text,
+    and its ``kind`` as data (not compared: it follows from the type)."""
 
     type: str
     message: str
+    kind: RemoteKind = field(default="", compare=False)
 
 
 Reply: TypeAlias = (

@@ -39,15 +39,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
-from .._endpoint import error_reply
 from .._exceptions import (
     WorkerDiedError,
     WorkerError,
     WorkerProtocolError,
     WorkerTimeoutError,
-    remote_error,
 )
 from .._wire._channel import FrameChannel, TcpListener, connect_tcp
+from .._wire._errors import WORKER, error_reply
 from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -231,7 +230,7 @@ class StreamCall:
                 ) from None
             await self._lost(exc.cause)
         if isinstance(reply, ErrorReply):
-            raise remote_error(self.name, reply.type, reply.message)
+            raise WORKER.from_reply(self.name, reply)
         return reply
 
     async def _expect_done(self, message: BeginUpdate | CommitUpdate | AbortUpdate) -> None:
