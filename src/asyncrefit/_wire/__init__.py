@@ -17,5 +17,7 @@ Bottom-up:
    library's typed errors (:func:`map_exceptions`).
 
 This package imports nothing from the rest of asyncrefit at import time except
-leaf modules (devices, plans, transport records), so those may import from it.
+leaf modules (devices, plans, transport records, the exception hierarchy), so those may
+import from it. The old top-level paths (``asyncrefit._channel``, ``._mux``,
+``._messages``, ``._refs``, ``asyncrefit.local._framing``) are transitional shims.
 """

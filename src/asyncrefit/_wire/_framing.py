@@ -1,7 +1,9 @@
 """Length-prefixed frames over an anyio byte stream, safe to cancel mid-read.
 
-The framing itself lives in :mod:`asyncrefit._wire._channel`; this reader serves the
-links that still read through anyio streams.
+The framing itself (:func:`frame`, :data:`MAX_FRAME`) lives in
+:mod:`asyncrefit._wire._channel`; this reader serves the links that still read
+through anyio streams (the vLLM link). It owns only its buffer; the stream is the
+caller's. Errors: the stream's own, and :class:`ValueError` for an oversized frame.
 """
 
 from __future__ import annotations
