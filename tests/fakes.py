@@ -16,7 +16,7 @@ import anyio
 import torch
 
 from asyncrefit import BucketAck, DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
-from asyncrefit._messages import LoadBucket, encoded_size
+from asyncrefit._wire._messages import LoadBucket, encoded_size
 from asyncrefit.transport import Handle, Importer
 
 

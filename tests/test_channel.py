@@ -7,7 +7,7 @@ import socket
 import anyio
 import pytest
 
-from asyncrefit._channel import FrameChannel, frame
+from asyncrefit._wire._channel import FrameChannel, frame
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -17,7 +17,8 @@ import torch
 from asyncrefit import BucketAck, ParamSpec, cpu_device, plan_buckets
 from asyncrefit._endpoint import Endpoint
 from asyncrefit._layout import Declared
-from asyncrefit._messages import (
+from asyncrefit._receiver import ParameterSink
+from asyncrefit._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     CommitUpdate,
@@ -35,7 +36,6 @@ from asyncrefit._messages import (
     SpecsReply,
     VersionReply,
 )
-from asyncrefit._receiver import ParameterSink
 from asyncrefit.transport import Handle, Importer, SharedMemoryExporter, SharedMemoryImporter
 from asyncrefit.vllm import _reload
 from asyncrefit.vllm._sink import ReloadSink

@@ -8,9 +8,9 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncrefit._channel import FrameChannel
-from asyncrefit._messages import decode, encode
-from asyncrefit._mux import ChannelFailedError, RequestChannel
+from asyncrefit._wire._channel import FrameChannel
+from asyncrefit._wire._messages import decode, encode
+from asyncrefit._wire._mux import ChannelFailedError, RequestChannel
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from asyncrefit import BucketAck, DeviceId, TensorEntry
-from asyncrefit._messages import LoadBucket
-from asyncrefit._pickling import FastPickle
+from asyncrefit._wire._messages import LoadBucket
+from asyncrefit._wire._pickling import FastPickle
 from asyncrefit.transport import Handle
 from asyncrefit.transport.collective import CollectiveHandle
 from asyncrefit.transport.cuda_ipc import CudaIpcHandle

@@ -24,7 +24,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from asyncrefit import PushError, RefitCoordinator, WorkerDiedError  # noqa: E402
-from asyncrefit._channel import FrameChannel, TcpListener, connect_tcp  # noqa: E402
+from asyncrefit._wire._channel import FrameChannel, TcpListener, connect_tcp  # noqa: E402
 from asyncrefit.ray import RayTrainerSource, RayWorker  # noqa: E402
 from asyncrefit.ray._stream import StreamCall  # noqa: E402
 from asyncrefit.transport import Handle  # noqa: E402

@@ -36,7 +36,9 @@ from asyncrefit import (
     local_node_id,
 )
 from asyncrefit._exceptions import primary_error
-from asyncrefit._messages import (
+from asyncrefit._plan import ParamSpec
+from asyncrefit._wire._framing import FrameReader
+from asyncrefit._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -51,8 +53,6 @@ from asyncrefit._messages import (
     SpecsReply,
     VersionReply,
 )
-from asyncrefit._plan import ParamSpec
-from asyncrefit.local._framing import FrameReader
 from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
 from asyncrefit.vllm._connect import _connected

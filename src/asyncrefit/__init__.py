@@ -48,7 +48,6 @@ from ._exceptions import WorkerProtocolError as WorkerProtocolError
 from ._exceptions import WorkerRemoteError as WorkerRemoteError
 from ._exceptions import WorkerStaleWeightsError as WorkerStaleWeightsError
 from ._exceptions import WorkerTimeoutError as WorkerTimeoutError
-from ._messages import BucketAck as BucketAck
 from ._names import WRAPPER_PREFIXES as WRAPPER_PREFIXES
 from ._names import NameMap as NameMap
 from ._names import strip_wrappers as strip_wrappers
@@ -62,6 +61,7 @@ from ._receiver import ParameterReceiver as ParameterReceiver
 from ._report import RefitReport as RefitReport
 from ._report import StageTimes as StageTimes
 from ._version import VersionState as VersionState
+from ._wire._messages import BucketAck as BucketAck
 from ._worker import SourceInfo as SourceInfo
 from ._worker import TrainerSource as TrainerSource
 from ._worker import TransmittingSource as TransmittingSource

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from functools import cache
 
-from ._pickling import FastPickle
+from ._wire._pickling import FastPickle
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, order=True)

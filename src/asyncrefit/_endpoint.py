@@ -1,6 +1,6 @@
 """The worker side of a refit, once for every backend: an endpoint over a sink.
 
-An :class:`Endpoint` answers the coordinator's requests (:mod:`asyncrefit._messages`)
+An :class:`Endpoint` answers the coordinator's requests (:mod:`asyncrefit._wire._messages`)
 for one worker: it keeps the worker's :class:`~asyncrefit.VersionState`, picks the
 handle for its own device, validates every entry of that handle before any byte is
 written (:class:`~asyncrefit._layout.Declared`, :func:`~asyncrefit._layout.check_layout`),
@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from ._device import DeviceId
 from ._exceptions import TransportError
 from ._layout import Declared, check_layout, reach
-from ._messages import (
+from ._plan import ParamSpec
+from ._version import VersionState
+from ._wire._errors import error_reply as error_reply
+from ._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -40,8 +43,6 @@ from ._messages import (
     SpecsReply,
     VersionReply,
 )
-from ._plan import ParamSpec
-from ._version import VersionState
 from .transport._base import Handle, Importer, make_importer
 
 if TYPE_CHECKING:
@@ -51,11 +52,6 @@ logger = logging.getLogger(__name__)
 
 AbortReply = TypeVar("AbortReply")
 AbortReply_co = TypeVar("AbortReply_co", covariant=True)
-
-
-def error_reply(exc: BaseException) -> ErrorReply:
-    """The reply to a request that raised ``exc``: its type name and message."""
-    return ErrorReply(type=type(exc).__name__, message=str(exc))
 
 
 class Sink(Protocol[AbortReply_co]):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ._dtypes import dtype_itemsize as dtype_itemsize
 from ._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
-from ._pickling import FastPickle
+from ._wire._pickling import FastPickle
 
 #: Default alignment of every tensor inside a bucket, in bytes.
 DEFAULT_ALIGNMENT = 256

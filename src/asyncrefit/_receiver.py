@@ -17,8 +17,8 @@ from ._device import DeviceId
 from ._dtypes import dtype_name, torch_dtype
 from ._endpoint import Endpoint
 from ._layout import Declared
-from ._messages import Done
 from ._plan import ParamSpec
+from ._wire._messages import Done
 from .transport._base import Handle, Importer
 
 if TYPE_CHECKING:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ._device import DeviceId
-from ._messages import BucketAck
 from ._plan import ParamSpec
+from ._wire._messages import BucketAck
 from .transport._base import Handle
 
 if TYPE_CHECKING:

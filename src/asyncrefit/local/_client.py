@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from .._channel import FrameChannel, UnixListener
 from .._device import DeviceId, cpu_device
 from .._exceptions import (
     WorkerDiedError,
@@ -20,9 +19,11 @@ from .._exceptions import (
     WorkerRemoteError,
     WorkerTimeoutError,
     one_error,
-    remote_error,
 )
-from .._messages import (
+from .._plan import ParamSpec
+from .._wire._channel import FrameChannel, UnixListener
+from .._wire._errors import WORKER, Lost, map_wire, raise_for_error
+from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -31,7 +32,6 @@ from .._messages import (
     Digest,
     DigestReply,
     Done,
-    ErrorReply,
     Forward,
     ForwardReply,
     GetSpecs,
@@ -45,8 +45,7 @@ from .._messages import (
     SpecsReply,
     VersionReply,
 )
-from .._mux import ChannelFailedError, RequestChannel
-from .._plan import ParamSpec
+from .._wire._mux import RequestChannel
 from ._faults import WorkerFaults
 from ._server import worker_main
 
@@ -112,19 +111,19 @@ class LocalWorker:
     async def _request(self, request: Request) -> Reply:
         if self._dead is not None:
             raise WorkerDiedError(self._name, self._dead)
-        try:
-            reply = await self._requests.request(request)
-        except ChannelFailedError as exc:
-            if isinstance(exc.cause, TimeoutError):
-                await self._mark_dead("sending a request timed out")
-                raise WorkerTimeoutError(self._name, "sending a request timed out") from None
-            await self._mark_dead("the worker process closed its connection")
-            assert self._dead is not None
-            raise WorkerDiedError(self._name, self._dead) from None
+        async with map_wire(WORKER, self._name, self._lost):
+            reply = raise_for_error(await self._requests.request(request))
         assert isinstance(reply, Reply)
-        if isinstance(reply, ErrorReply):
-            raise remote_error(self._name, reply.type, reply.message)
         return reply
+
+    async def _lost(self, how: Lost, exc: BaseException) -> tuple[Lost, str]:
+        """The connection failed: kill and reap the process, say how it was lost."""
+        if how is Lost.TIMEOUT:
+            await self._mark_dead("sending a request timed out")
+            return how, "sending a request timed out"
+        await self._mark_dead("the worker process closed its connection")
+        assert self._dead is not None
+        return how, self._dead
 
     async def _expect(self, request: Request, kind: type[R]) -> R:
         reply = await self._request(request)

@@ -2,7 +2,8 @@
 
 The refit requests are served by the receiver (an :class:`~asyncrefit._endpoint.Endpoint`
 over the module's parameters); the server adds what only a local worker does: copies
-in a thread, fault injection, diagnostics (digests, a forward pass) and shutdown.
+in a thread, fault injection, diagnostics (digests, a forward pass) and shutdown. The
+connection is served by the one serve loop (:mod:`asyncrefit._wire._serve`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._channel import connect_unix
 from .._device import DeviceId
-from .._endpoint import error_reply
 from .._loop import backend_options
-from .._messages import (
+from .._receiver import ParameterReceiver
+from .._wire._channel import connect_unix
+from .._wire._errors import error_reply
+from .._wire._messages import (
     DeviceReply,
     Digest,
     DigestReply,
@@ -32,10 +34,9 @@ from .._messages import (
     ReportDevice,
     Request,
     Shutdown,
-    encode,
 )
-from .._receiver import ParameterReceiver
-from .._refs import RefDecoder, UnknownHandleError
+from .._wire._refs import RefDecoder
+from .._wire._serve import serve
 from ._faults import WorkerFaults
 
 if TYPE_CHECKING:
@@ -68,24 +69,17 @@ class WorkerServer:
         return self._receiver.device
 
     async def serve(self, path: str) -> None:
+        """Serve the coordinator at ``path`` until it asks to shut down or goes away."""
         channel = connect_unix(path)
         refs = RefDecoder()  # this connection's handles by reference
         try:
-            while True:
-                try:
-                    data = await channel.receive()
-                    try:
-                        request_id, request = refs.decode(data)
-                    except UnknownHandleError as exc:
-                        request_id, request = exc.request_id, None
-                        reply: Reply = error_reply(exc)
-                    else:
-                        reply = await self.handle(request)
-                    await channel.send(encode((request_id, reply)), within=_SEND_TIMEOUT)
-                except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError):
-                    return  # the coordinator is gone
-                if isinstance(request, Shutdown):
-                    return
+            await serve(
+                channel,
+                refs,
+                self.handle,
+                until=lambda request: isinstance(request, Shutdown),
+                send_timeout=_SEND_TIMEOUT,
+            )
         finally:
             self._receiver.close()
             await channel.aclose()

@@ -4,8 +4,10 @@ Ray reports a failed actor call as one of its own exceptions: the actor died
 (:class:`ray.exceptions.ActorDiedError`), is unreachable for now
 (:class:`ray.exceptions.ActorUnavailableError`), or its method raised
 (:class:`ray.exceptions.RayTaskError`, carrying the original error as ``cause``).
-:func:`worker_errors` and :func:`source_errors` turn those into asyncrefit's typed
-errors at the edge, naming the actor, with the Ray error chained as ``__cause__``.
+:func:`ray_errors` is the one table that turns those into a side's typed errors
+(:mod:`asyncrefit._wire._errors`: the same map as every other edge), naming the actor,
+with the Ray error chained as ``__cause__``; :func:`worker_errors` and
+:func:`source_errors` apply it for an inference actor and a trainer actor.
 """
 
 from __future__ import annotations
@@ -14,16 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .._exceptions import (
-    SourceDiedError,
-    SourceError,
-    SourceRemoteError,
-    WorkerDiedError,
-    WorkerError,
-    WorkerRemoteError,
-    WorkerTimeoutError,
-    remote_error,
-)
+from .._exceptions import WorkerError
+from .._wire._errors import SOURCE, WORKER, ExceptionMapping, Side, map_exceptions
 
 
 class AwaitableReturnedError(WorkerError):
@@ -44,6 +38,33 @@ def _cause(exc: Any) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
+def ray_errors(side: Side, name: str) -> ExceptionMapping:
+    """The translation of Ray's errors of a call to actor ``name``, into ``side``'s.
+
+    ``ActorUnavailableError``: ``side.unavailable`` (the call may or may not have
+    run); any other ``RayActorError``: ``side.died``; ``RayTaskError``: the method's
+    error, as ``side``'s remote error (an :class:`AwaitableReturnedError` of an
+    inference actor keeps its type); any other ``RayError``: a remote error of that
+    type and its first line.
+    """
+    from ray import exceptions as rex
+
+    def raised(exc: BaseException) -> BaseException:
+        cause = _cause(exc)
+        if side is WORKER and isinstance(cause, AwaitableReturnedError):
+            return AwaitableReturnedError(name, cause.detail)
+        return side.from_exception(name, cause)
+
+    return {
+        rex.ActorUnavailableError: lambda exc: side.unavailable(
+            name, f"the actor is unavailable: {_first_line(exc)}"
+        ),
+        rex.RayActorError: lambda exc: side.died(name, f"the actor died: {_first_line(exc)}"),
+        rex.RayTaskError: raised,
+        rex.RayError: lambda exc: side.remote(name, type(exc).__name__, _first_line(exc), "error"),
+    }
+
+
 @contextmanager
 def worker_errors(name: str) -> Iterator[None]:
     """Translate Ray's errors of a call to inference actor ``name`` into typed ones.
@@ -57,21 +78,8 @@ def worker_errors(name: str) -> Iterator[None]:
     subclass, such as :class:`~asyncrefit.WorkerIntegrityError`; an
     :class:`AwaitableReturnedError` keeps its type).
     """
-    from ray import exceptions as rex
-
-    try:
+    with map_exceptions(ray_errors(WORKER, name)):
         yield
-    except rex.ActorUnavailableError as exc:
-        raise WorkerTimeoutError(name, f"the actor is unavailable: {_first_line(exc)}") from exc
-    except rex.RayActorError as exc:
-        raise WorkerDiedError(name, f"the actor died: {_first_line(exc)}") from exc
-    except rex.RayTaskError as exc:
-        cause = _cause(exc)
-        if isinstance(cause, AwaitableReturnedError):
-            raise AwaitableReturnedError(name, cause.detail) from exc
-        raise remote_error(name, type(cause).__name__, str(cause)) from exc
-    except rex.RayError as exc:
-        raise WorkerRemoteError(name, type(exc).__name__, _first_line(exc)) from exc
 
 
 @contextmanager
@@ -83,16 +91,5 @@ def source_errors(name: str) -> Iterator[None]:
     buffers). An error raised by the method: :class:`SourceRemoteError` with its type
     and message.
     """
-    from ray import exceptions as rex
-
-    try:
+    with map_exceptions(ray_errors(SOURCE, name)):
         yield
-    except rex.ActorUnavailableError as exc:
-        raise SourceError(name, f"the actor is unavailable: {_first_line(exc)}") from exc
-    except rex.RayActorError as exc:
-        raise SourceDiedError(name, f"the actor died: {_first_line(exc)}") from exc
-    except rex.RayTaskError as exc:
-        cause = _cause(exc)
-        raise SourceRemoteError(name, type(cause).__name__, str(cause)) from exc
-    except rex.RayError as exc:
-        raise SourceRemoteError(name, type(exc).__name__, _first_line(exc)) from exc

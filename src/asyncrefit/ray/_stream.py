@@ -11,9 +11,9 @@ nor one per push:
    and sends the random token first (the driver drops connections that do not).
 2. From then on every push is requests on the stream, each answered in order: a
    :class:`BeginUpdate`, a :class:`LoadBucket` per bucket, a :class:`CommitUpdate` or
-   :class:`AbortUpdate`. They travel as on the local link (:mod:`asyncrefit._mux`):
+   :class:`AbortUpdate`. They travel as on the local link (:mod:`asyncrefit._wire._mux`):
    ``(request id, request)`` frames, replies matched by id, handles by reference
-   (:mod:`asyncrefit._refs`: after a handle's first push a load is a few bytes). The
+   (:mod:`asyncrefit._wire._refs`: after a handle's first push a load is a few bytes). The
    actor takes them one after the other through its own ``refit_begin`` /
    ``refit_load`` / ``refit_commit`` / ``refit_abort`` (overrides apply), and answers
    a load only after the copy.
@@ -39,16 +39,15 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
-from .._channel import FrameChannel, TcpListener, connect_tcp
-from .._endpoint import error_reply
 from .._exceptions import (
     WorkerDiedError,
     WorkerError,
     WorkerProtocolError,
     WorkerTimeoutError,
-    remote_error,
 )
-from .._messages import (
+from .._wire._channel import FrameChannel, TcpListener, connect_tcp
+from .._wire._errors import WORKER, error_reply
+from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -58,8 +57,8 @@ from .._messages import (
     LoadBucket,
     encode,
 )
-from .._mux import ChannelFailedError, RequestChannel
-from .._refs import RefDecoder, UnknownHandleError
+from .._wire._mux import ChannelFailedError, RequestChannel
+from .._wire._refs import RefDecoder, UnknownHandleError
 from ._errors import worker_errors
 
 if TYPE_CHECKING:
@@ -95,7 +94,7 @@ class StreamCall:
 
     Made by :func:`open_stream`. Requests may be issued concurrently (the coordinator
     overlaps the loads of consecutive buckets): they go out whole, in the order the
-    callers reached the send, over a :class:`~asyncrefit._mux.RequestChannel`, and
+    callers reached the send, over a :class:`~asyncrefit._wire._mux.RequestChannel`, and
     replies are matched to them by id. The stream serves push after push.
 
     Resource handling: owns the connection; :meth:`close` closes it (idempotent), and
@@ -231,7 +230,7 @@ class StreamCall:
                 ) from None
             await self._lost(exc.cause)
         if isinstance(reply, ErrorReply):
-            raise remote_error(self.name, reply.type, reply.message)
+            raise WORKER.from_reply(self.name, reply)
         return reply
 
     async def _expect_done(self, message: BeginUpdate | CommitUpdate | AbortUpdate) -> None:

@@ -10,9 +10,9 @@ import anyio
 
 from .._device import DeviceId
 from .._exceptions import AsyncRefitError, WorkerDiedError, WorkerError, WorkerRemoteError
-from .._messages import AbortUpdate, BucketAck, CommitUpdate
 from .._plan import ParamSpec
 from .._receiver import ParameterReceiver
+from .._wire._messages import AbortUpdate, BucketAck, CommitUpdate
 from ._cluster import current_node_id
 from ._errors import AwaitableReturnedError, worker_errors
 from ._order import BucketTurns

@@ -49,8 +49,8 @@ from .._device import DeviceId, cpu_device
 from .._dtypes import torch_dtype
 from .._exceptions import PlanError
 from .._loop import backend_options
-from .._messages import LoadBucket, encode, encoded_size
 from .._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
+from .._wire._messages import LoadBucket, encode, encoded_size
 from ..trainer._local import LocalTrainer
 from ..trainer._shared import SharedParameterTrainer
 from ..transport._base import Handle

@@ -8,8 +8,13 @@ every rank calls :meth:`RankServer.serve_push`, which serves the coordinator's
 requests (describe, prepare, export bucket after bucket) until the push ends, and
 then returns to training: training collectives and refit gathers never interleave.
 
-The channel is a Unix socket (one machine; across machines use :mod:`asyncrefit.ray`),
-framed as the local workers' channel is. Requests are served one at a time, in order.
+The channel is a Unix socket (one machine; across machines use :mod:`asyncrefit.ray`)
+on the same wire stack as the local workers' (:mod:`asyncrefit._wire`): the rank greets
+with a :class:`~asyncrefit._wire._messages.Hello`, the coordinator's requests go
+through a :class:`~asyncrefit._wire._mux.RequestChannel` (they may overlap; replies
+are matched by id), the rank answers them one at a time, in order, with the one serve
+loop (:mod:`asyncrefit._wire._serve`), and failures become typed errors through the
+one error map (:mod:`asyncrefit._wire._errors`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
-from .._channel import FrameChannel, UnixListener, connect_unix
 from .._exceptions import (
     ClosedError,
     SourceDiedError,
@@ -32,7 +36,12 @@ from .._exceptions import (
     SourceRemoteError,
     SourceTimeoutError,
 )
-from .._messages import Done, ErrorReply, decode, encode
+from .._wire._channel import FrameChannel, UnixListener, connect_unix
+from .._wire._errors import SOURCE, Lost, error_reply, map_wire, raise_for_error
+from .._wire._messages import Done, ErrorReply, Hello, decode, encode
+from .._wire._mux import RequestChannel
+from .._wire._refs import RefDecoder
+from .._wire._serve import serve
 from .._worker import SourceInfo, TrainerSource
 
 if TYPE_CHECKING:
@@ -46,14 +55,6 @@ _SEND_TIMEOUT = 30.0
 
 
 # --- the wire ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankHello:
-    """The first frame a rank sends: who it is (its pid lets the coordinator sweep)."""
-
-    name: str
-    pid: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +141,7 @@ class RankServer:
         self._path = path
         self._listener: UnixListener | None = UnixListener(path)
         self._channel: FrameChannel | None = None
+        self._refs = RefDecoder()  # the connection's handles by reference
         self._closed = False
 
     def __repr__(self) -> str:
@@ -166,31 +168,28 @@ class RankServer:
         if self._closed:
             return RankPush(version=None, ok=False, closed=True)
         channel = await self._connected()
-        while True:
-            try:
-                request_id, request = decode(await channel.receive())
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        served = await serve(
+            channel,
+            self._refs,
+            self._handle,
+            until=lambda request: isinstance(request, EndPush | CloseSource),
+            send_timeout=_SEND_TIMEOUT,
+        )
+        match served:
+            case (EndPush(version=v, ok=ok),):
+                return RankPush(version=v, ok=ok, closed=False)
+            case _:  # closed, or the coordinator went away
                 await self.aclose()
                 return RankPush(version=None, ok=False, closed=True)
-            reply = await self._handle(request)
-            try:
-                await channel.send(encode((request_id, reply)), within=_SEND_TIMEOUT)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, TimeoutError):
-                await self.aclose()
-                return RankPush(version=None, ok=False, closed=True)
-            match request:
-                case EndPush(version=v, ok=ok):
-                    return RankPush(version=v, ok=ok, closed=False)
-                case CloseSource():
-                    await self.aclose()
-                    return RankPush(version=None, ok=False, closed=True)
 
     async def _connected(self) -> FrameChannel:
         if self._channel is None:
             assert self._listener is not None
             channel = await self._listener.accept()
-            hello = RankHello(
-                name=getattr(self._source, "name", repr(self._source)), pid=os.getpid()
+            hello = Hello(
+                role="rank",
+                name=getattr(self._source, "name", repr(self._source)),
+                pid=os.getpid(),
             )
             await channel.send(encode(hello), within=_SEND_TIMEOUT)
             self._channel = channel
@@ -217,7 +216,7 @@ class RankServer:
                     return Done()
         except Exception as exc:
             logger.debug("rank request %r failed", request, exc_info=True)
-            return ErrorReply(type=type(exc).__name__, message=str(exc))
+            return error_reply(exc)
         return ErrorReply(type="TypeError", message=f"unknown request {type(request).__name__}")
 
     async def aclose(self) -> None:
@@ -265,85 +264,82 @@ class RankSource:
         self._path = path
         self._name = name
         self._timeout = timeout
-        self._channel: FrameChannel | None = None
+        self._requests: RequestChannel | None = None
         self._pid: int | None = None
-        self._next_id = 0
-        self._lock = anyio.Lock()
+        self._connecting = anyio.Lock()
         self._dead: str | None = None
 
     def __repr__(self) -> str:
-        state = f"dead ({self._dead})" if self._dead else ("connected" if self._channel else "new")
+        state = f"dead ({self._dead})" if self._dead else ("connected" if self._requests else "new")
         return f"<RankSource {self.name!r} {self._path!r} pid={self._pid} {state}>"
 
     @property
     def name(self) -> str:
         return self._name if self._name is not None else os.path.basename(self._path)
 
-    async def _connect(self) -> FrameChannel:
-        if self._channel is not None:
-            return self._channel
-        deadline = time.monotonic() + self._timeout
-        while True:
+    async def _connect(self) -> RequestChannel:
+        async with self._connecting:
+            if self._requests is not None:
+                return self._requests
+            deadline = time.monotonic() + self._timeout
+            while True:
+                try:
+                    channel = connect_unix(self._path)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError) as exc:
+                    if time.monotonic() > deadline:
+                        raise SourceTimeoutError(
+                            self.name, f"no rank listens at {self._path!r} after {self._timeout} s"
+                        ) from exc
+                    await anyio.sleep(0.05)
             try:
-                channel = connect_unix(self._path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                if time.monotonic() > deadline:
-                    raise SourceTimeoutError(
-                        self.name, f"no rank listens at {self._path!r} after {self._timeout} s"
-                    ) from exc
-                await anyio.sleep(0.05)
-        try:
-            with anyio.fail_after(self._timeout):
-                hello = decode(await channel.receive())
-        except BaseException:
-            with anyio.CancelScope(shield=True):
+                with anyio.fail_after(self._timeout):
+                    hello = decode(await channel.receive())
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await channel.aclose()
+                raise
+            if not isinstance(hello, Hello) or hello.role != "rank":
                 await channel.aclose()
-            raise
-        if not isinstance(hello, RankHello):
-            await channel.aclose()
-            raise SourceRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
-        if self._name is None:
-            self._name = hello.name
-        self._pid = hello.pid
-        self._channel = channel
-        return channel
+                raise SourceRemoteError(
+                    self.name, "ProtocolError", f"unexpected greeting {hello!r}"
+                )
+            if self._name is None:
+                self._name = hello.name
+            self._pid = hello.pid
+            self._requests = RequestChannel(channel, send_timeout=_SEND_TIMEOUT)
+            return self._requests
 
     async def _request(self, request: RankRequest) -> RankReply:
-        async with self._lock:
-            if self._dead is not None:
-                raise SourceDiedError(self.name, self._dead)
-            try:
-                channel = await self._connect()
-                self._next_id += 1
-                request_id = self._next_id
-                await channel.send(encode((request_id, request)), within=_SEND_TIMEOUT)
-                with anyio.fail_after(self._timeout):
-                    while True:
-                        got, reply = decode(await channel.receive())
-                        if got == request_id:
-                            break
-                        # else: the answer to a request whose caller was cancelled
-            except TimeoutError:
+        """Send ``request``, return its answer; requests may overlap (the rank answers
+        them in order). A request cancelled while it waits for its answer leaves the
+        connection usable: its late answer is told by its id and dropped."""
+        if self._dead is not None:
+            raise SourceDiedError(self.name, self._dead)
+
+        async def lost(how: Lost, exc: BaseException) -> tuple[Lost, str]:
+            if self._dead is not None:  # another request found it lost first
+                return Lost.DIED, self._dead
+            if how is Lost.TIMEOUT:
                 await self._gone(f"no answer to {type(request).__name__} within {self._timeout} s")
-                raise SourceTimeoutError(self.name, self._dead or "timed out") from None
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            else:
                 await self._gone("the rank closed its connection")
-                raise SourceDiedError(self.name, self._dead or "gone") from None
-            # A request cancelled while it waits for its answer leaves the connection
-            # usable: the rank answers in order, and a late answer is told by its id.
-        if isinstance(reply, ErrorReply):
-            raise SourceRemoteError(self.name, reply.type, reply.message)
-        answer: RankReply = reply
-        return answer
+            assert self._dead is not None
+            return how, self._dead
+
+        async with map_wire(SOURCE, lambda: self.name, lost):
+            requests = await self._connect()
+            with anyio.fail_after(self._timeout):
+                reply: RankReply = raise_for_error(await requests.request(request))
+        return reply
 
     async def _gone(self, why: str) -> None:
         from ..transport.shm import sweep_stale_segments
 
         self._dead = why
         with anyio.CancelScope(shield=True):
-            if self._channel is not None:
-                await self._channel.aclose()
+            if self._requests is not None:
+                await self._requests.aclose()
         sweep_stale_segments()  # a dead rank's segments (its pid is gone)
 
     async def describe(self) -> SourceInfo:
@@ -374,14 +370,14 @@ class RankSource:
     async def aclose(self) -> None:
         """Ask the rank to close its source; close the connection. Idempotent."""
         with anyio.CancelScope(shield=True):
-            if self._dead is None and self._channel is not None:
+            if self._dead is None and self._requests is not None:
                 try:
                     with anyio.move_on_after(self._timeout):
                         await self._request(CloseSource())
                 except (SourceError, ClosedError) as exc:
                     logger.info("rank %s did not close cleanly: %s", self.name, exc)
-            if self._channel is not None:
-                await self._channel.aclose()
+            if self._requests is not None:
+                await self._requests.aclose()
             if self._dead is None:
                 self._dead = "closed"
             else:

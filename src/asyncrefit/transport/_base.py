@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 from .._device import DeviceId
 from .._dtypes import dtype_name as dtype_name
 from .._dtypes import torch_dtype as torch_dtype
-from .._pickling import FastPickle
 from .._plan import TensorEntry
+from .._wire._pickling import FastPickle
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,151 @@
+"""Many outstanding requests over one framed channel, replies matched by request id.
+
+A link to a worker (a local process, a vLLM rank) sends each request as one frame
+``(request_id, request)`` and the worker answers ``(request_id, reply)``, in order. With
+one request at a time the worker idles for a whole round trip between two buckets;
+:class:`RequestChannel` lets callers send their next request while earlier ones are
+still being answered, so a worker takes the next bucket's notification straight after
+the last one, with no round trip of the coordinator in between.
+
+No background task reads the channel: whichever caller is waiting for a reply and finds
+no one reading becomes the reader, stores every reply that arrives for the callers
+still waiting, and hands reading over when its own reply came (or it was cancelled).
+So the channel needs no task group of its own and leaves nothing running when its
+callers are gone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from ._channel import FrameChannel
+from ._messages import decode
+from ._refs import RefEncoder
+
+__all__ = (
+    "CHANNEL_ERRORS",
+    "ChannelFailedError",
+    "RequestChannel",
+)
+
+#: The channel failures that mean the peer is gone (or the channel was closed).
+CHANNEL_ERRORS: tuple[type[BaseException], ...] = (
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+)
+_SEND_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CHANNEL_ERRORS)
+
+
+class ChannelFailedError(Exception):
+    """The channel failed (the peer closed it, or a send timed out); ``cause`` says how."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__)
+        self.cause = cause
+
+
+class RequestChannel:
+    """Requests and their replies over one :class:`FrameChannel`, many at a time.
+
+    :meth:`request` sends one request and returns its reply. Callers may overlap:
+    frames go out whole and in the order the callers reached the send, and the peer is
+    expected to answer in its own time, each reply tagged with its request's id.
+
+    Resource handling: a caller cancelled after its request went out leaves the channel
+    usable: its reply is recognised by id and dropped when it comes. The send is
+    shielded (a frame is never cut in half) and bounded by ``send_timeout``.
+
+    Handles go by reference (see :mod:`asyncrefit._wire._refs`): the peer must turn what it
+    receives back with a :class:`~asyncrefit._wire._refs.RefDecoder` of its own.
+
+    Error handling: once the channel fails (end of stream, a broken socket, a send
+    that timed out, :meth:`aclose`), every waiting and later call raises
+    :class:`ChannelFailedError` with the first failure as ``cause``.
+    """
+
+    def __init__(self, channel: FrameChannel, *, send_timeout: float) -> None:
+        self._channel = channel
+        self._send_timeout = send_timeout
+        self._send_lock = anyio.Lock()
+        self._refs = RefEncoder()
+        self._next_id = 0
+        self._waiting: set[int] = set()
+        self._replies: dict[int, Any] = {}
+        self._reading = False
+        self._wake = anyio.Event()
+        self._failed: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = f"failed ({self._failed!r})" if self._failed else "open"
+        return f"<RequestChannel {state} waiting={len(self._waiting)}>"
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The failure that ended the channel, or ``None`` while it works."""
+        return self._failed
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = anyio.Event()
+
+    def _fail(self, exc: BaseException) -> ChannelFailedError:
+        if self._failed is None:
+            self._failed = exc
+        self._notify()
+        return ChannelFailedError(self._failed)
+
+    async def request(self, request: Any) -> Any:
+        """Send ``request`` and return the peer's reply to it."""
+        if self._failed is not None:
+            raise ChannelFailedError(self._failed)
+        self._next_id += 1
+        request_id = self._next_id
+        self._waiting.add(request_id)
+        try:
+            async with self._send_lock:
+                if self._failed is not None:
+                    raise ChannelFailedError(self._failed)
+                # Encoded under the lock: the reference table sees the wire's order.
+                payload = self._refs.encode(request_id, request)
+                try:
+                    await self._channel.send(payload, within=self._send_timeout)
+                except _SEND_ERRORS as exc:
+                    raise self._fail(exc) from None
+            return await self._reply(request_id)
+        finally:
+            self._waiting.discard(request_id)
+            self._replies.pop(request_id, None)
+
+    async def _reply(self, request_id: int) -> Any:
+        while True:
+            if request_id in self._replies:
+                return self._replies.pop(request_id)
+            if self._failed is not None:
+                raise ChannelFailedError(self._failed)
+            if self._reading:
+                wake = self._wake
+                await wake.wait()
+                continue
+            self._reading = True
+            try:
+                while request_id not in self._replies:
+                    try:
+                        got_id, reply = decode(await self._channel.receive())
+                    except CHANNEL_ERRORS as exc:
+                        raise self._fail(exc) from None
+                    if got_id in self._waiting:
+                        self._replies[got_id] = reply
+                        self._notify()
+                    # else: the reply to a request whose caller was cancelled: dropped
+            finally:
+                self._reading = False
+                self._notify()  # someone else still waiting takes over reading
+
+    async def aclose(self) -> None:
+        """Close the channel: waiting callers get :class:`ChannelFailedError`."""
+        self._fail(anyio.ClosedResourceError())
+        await self._channel.aclose()
