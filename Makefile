@@ -79,8 +79,13 @@ quickstart: $(CORE_STAMP)
 	else echo "quickstart: numpy is not installed"; fi
 	env -u PYTHONPATH $(CORE_BIN)/python examples/async_loop.py
 	status=0; env -u PYTHONPATH $(CORE_BIN)/asyncrefit demo --json \
-	  > $(CORE_VENV)/demo.json || status=$$?; \
+	  > $(CORE_VENV)/demo.json 2> $(CORE_VENV)/demo.err || status=$$?; \
+	cat $(CORE_VENV)/demo.err >&2; \
 	env -u PYTHONPATH $(CORE_BIN)/python -c "$$CHECK_DEMO_JSON" $(CORE_VENV)/demo.json $$status
+	@# numpy is optional: the demo and its workers do not warn of its absence.
+	@if grep -q "Failed to initialize NumPy" $(CORE_VENV)/demo.err; \
+	then echo "quickstart: the demo printed torch's NumPy warning"; exit 1; \
+	else echo "quickstart: no NumPy warning"; fi
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest

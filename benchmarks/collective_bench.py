@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 from asyncrefit import DeviceId, RefitCoordinator
-from asyncrefit._plan import plan_buckets
+from asyncrefit._core._plan import plan_buckets
 from asyncrefit.local import LocalWorker, spawn_local_workers
 from asyncrefit.tools._machine import machine_info
 from asyncrefit.tools._table import Column, markdown_table

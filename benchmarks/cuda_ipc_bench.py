@@ -50,18 +50,12 @@ from typing import Any
 import anyio
 import torch
 
-from asyncrefit import (
-    BucketAck,
-    DeviceId,
-    LocalTrainer,
-    ParamSpec,
-    RefitCoordinator,
-    RefitReport,
-    plan_buckets,
-)
+from asyncrefit import DeviceId, LocalTrainer, ParamSpec, RefitCoordinator, RefitReport
+from asyncrefit._core._plan import DEFAULT_ALIGNMENT
 from asyncrefit._cuda import cuda_index
-from asyncrefit._plan import DEFAULT_ALIGNMENT
+from asyncrefit.abc import BucketAck
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.planning import plan_buckets
 from asyncrefit.tools._machine import machine_info
 from asyncrefit.tools._table import Column, table
 from asyncrefit.tools.bench import llama_specs, median_push, module_from_specs
@@ -197,7 +191,7 @@ def measure_limit(params: Sequence[torch.Tensor], repeats: int) -> dict[str, flo
 
 
 class TimedWorker:
-    """A :class:`~asyncrefit.Worker` that records each bucket's round trip and copy time."""
+    """A :class:`~asyncrefit.abc.Worker` that records each bucket's round trip and copy time."""
 
     def __init__(self, inner: LocalWorker) -> None:
         self.inner = inner

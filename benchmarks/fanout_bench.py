@@ -70,16 +70,16 @@ import anyio
 import torch
 
 from asyncrefit import (
-    BucketAck,
     DeviceId,
     LocalTrainer,
     ParameterReceiver,
     ParamSpec,
     RefitCoordinator,
     cpu_device,
-    plan_buckets,
 )
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
+from asyncrefit.abc import BucketAck
+from asyncrefit.planning import plan_buckets
 from asyncrefit.tools._machine import machine_info, machine_line
 from asyncrefit.tools._table import append_to_section
 from asyncrefit.tools.bench import module_from_specs
@@ -120,7 +120,7 @@ def zero_model(specs: Sequence[ParamSpec]) -> torch.nn.Module:
 
 @dataclass
 class InProcessWorker:
-    """A :class:`~asyncrefit.Worker` over a :class:`ParameterReceiver` in this process.
+    """A :class:`~asyncrefit.abc.Worker` over a :class:`ParameterReceiver` in this process.
 
     Loads copy on the calling loop (blocking it for the copy), as an in-process
     engine would; ``load_seconds`` sums the wall time spent in ``ParameterReceiver.load``.

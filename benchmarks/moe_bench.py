@@ -36,7 +36,7 @@ import anyio
 import torch
 
 from asyncrefit import LocalTrainer, RefitCoordinator
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.tools._machine import machine_info, machine_line, reset_peak_rss, rss_bytes
 from asyncrefit.tools._table import (

@@ -39,7 +39,7 @@ import ray
 import torch
 
 from asyncrefit import RefitCoordinator
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.ray import RayTrainerSource, RayWorker, RefitTrainerMixin, RefitWorkerMixin
 from asyncrefit.tools._machine import machine_info
 

@@ -55,10 +55,11 @@ from typing import Any
 import anyio
 import torch
 
-from asyncrefit import LocalTrainer, ParamSpec, RefitCoordinator, RefitReport, plan_buckets
+from asyncrefit import LocalTrainer, ParamSpec, RefitCoordinator, RefitReport
 from asyncrefit._loop import backend_options
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import LocalWorker, spawn_local_workers
+from asyncrefit.planning import plan_buckets
 from asyncrefit.tools._machine import (
     free_port,
     machine_info,

@@ -45,8 +45,8 @@ import torch
 from cuda_ipc_bench import checksums, flat_views, median_ms
 
 from asyncrefit import DeviceId, LocalTrainer, RefitCoordinator, RefitReport, cpu_device
+from asyncrefit._core._plan import ParamSpec, plan_buckets
 from asyncrefit._loop import backend_options
-from asyncrefit._plan import ParamSpec, plan_buckets
 from asyncrefit.local import LocalWorker, spawn_local_workers
 from asyncrefit.tools._machine import free_port, machine_info
 from asyncrefit.tools._table import Column, append_to_section, results_section, table

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch.nn import functional as F
 
 from asyncrefit import RefitCoordinator
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.ray import (
     RayTrainerSource,
     RayWorker,

@@ -24,7 +24,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncrefit import RefitCoordinator
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.ray import RayTrainerSource, RayWorker, RefitTrainerMixin, RefitWorkerMixin
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 import anyio
 import torch
 
-from asyncrefit import BucketAck, DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
+from asyncrefit import DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
 from asyncrefit._wire._messages import LoadBucket, encoded_size
+from asyncrefit.abc import BucketAck
 from asyncrefit.transport import Handle, Importer
 
 

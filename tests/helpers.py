@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import torch
 
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import LocalWorker
 from asyncrefit.transport.shm import list_segments
 

@@ -18,8 +18,10 @@ from typing import Any
 import anyio
 import torch
 
-from asyncrefit import Bucket, BucketAck, DeviceId
-from asyncrefit._receiver import tensor_digest
+from asyncrefit import DeviceId
+from asyncrefit._worker._receiver import tensor_digest
+from asyncrefit.abc import BucketAck
+from asyncrefit.planning import Bucket
 from asyncrefit.ray import RefitTrainerMixin, RefitWorkerMixin, current_node_id
 from asyncrefit.transport import Handle, ShmHandle
 

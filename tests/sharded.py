@@ -89,7 +89,7 @@ class RankPlan:
 
 def _digests(model: torch.nn.Module) -> dict[str, str]:
     """Every parameter gathered (a collective: all ranks), cast to bf16, digested."""
-    from asyncrefit._receiver import tensor_digest
+    from asyncrefit._worker._receiver import tensor_digest
 
     return {
         name: tensor_digest(p.full_tensor().to(torch.bfloat16))  # type: ignore[attr-defined]
@@ -250,7 +250,7 @@ def one_rank_main(device: str, results: Any) -> None:
 
     from asyncrefit import DeviceId, RefitCoordinator, cpu_device
     from asyncrefit._exceptions import AsyncRefitError
-    from asyncrefit._receiver import tensor_digest
+    from asyncrefit._worker._receiver import tensor_digest
     from asyncrefit.local import spawn_local_workers
     from asyncrefit.trainer import DTensorSource, _gather
     from asyncrefit.transport._base import Exporter

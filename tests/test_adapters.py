@@ -51,7 +51,7 @@ def proxy_package() -> Iterator[type[Proxy]]:
 def test_ray_is_adapted_by_an_entry_point_not_by_the_core() -> None:
     (entry,) = [e for e in entry_points(group=adapters.GROUP) if e.name == "ray"]
     assert entry.value == "asyncrefit.ray._adapt:adapt"
-    import asyncrefit._coordinator as coordinator
+    import asyncrefit._core._coordinator as coordinator
 
     assert "ray" not in coordinator.__dict__
     assert "ActorHandle" not in Path(coordinator.__file__).read_text()

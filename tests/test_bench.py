@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrefit import LocalTrainer, plan_buckets
+from asyncrefit import LocalTrainer
+from asyncrefit.planning import plan_buckets
 from asyncrefit.tools._table import append_to_section
 from asyncrefit.tools.bench import (
     llama_specs,

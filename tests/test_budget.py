@@ -7,7 +7,8 @@ import dataclasses
 import anyio
 import pytest
 
-from asyncrefit import BudgetStatistics, ByteBudget, CapacityExceededError
+from asyncrefit import BudgetStatistics, CapacityExceededError
+from asyncrefit.planning import ByteBudget
 
 
 def stats(budget: ByteBudget) -> tuple[int, int, int, int]:

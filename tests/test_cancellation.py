@@ -18,8 +18,9 @@ import torch
 from anyio.lowlevel import checkpoint
 
 from asyncrefit import RefitCoordinator, SharedParameterTrainer, cpu_device
-from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit._worker._receiver import tensor_digest
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
 
 from .fakes import FakeWorker
 from .helpers import assert_hold, digests, no_loop_errors, own_segments, step
@@ -155,7 +156,7 @@ async def test_cancel_at_scheduling_points_with_processes() -> None:
     """Real processes: replies arrive late, after the cancel; the channel must survive."""
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(load_delay=0.002)}
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
             await refit.push(1)
             tasks_before = len(asyncio.all_tasks())
@@ -195,7 +196,7 @@ async def test_cancelled_pushes_to_processes_report_nothing_to_the_loop() -> Non
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(load_delay=0.002)}
     rng = random.Random(0)
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
             await refit.push(1)
             version = 1

@@ -17,7 +17,9 @@ from asyncrefit import (
     WorkerDiedError,
     WorkerRemoteError,
 )
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
 from asyncrefit.trainer import CollectiveTrainer
 from asyncrefit.transport._base import make_importer
 from asyncrefit.transport.collective import (
@@ -98,7 +100,7 @@ async def test_a_worker_dying_mid_broadcast_fails_the_push_and_the_group_reforms
     model = make_mlp()
     trainer = CollectiveTrainer(model, timeout=TIMEOUT)
     faults = {"worker-1": fault}
-    async with spawn_local_workers(
+    async with spawn_with_faults(
         make_mlp, 3, devices=[far(i) for i in range(3)], faults=faults
     ) as workers:
         async with RefitCoordinator(
@@ -137,7 +139,7 @@ async def test_a_receiver_that_never_joins_is_a_typed_error_not_a_hang() -> None
     model = make_mlp()
     trainer = CollectiveTrainer(model, timeout=3.0)
     faults = {"worker-2": WorkerFaults(hang_at_bucket=0)}
-    async with spawn_local_workers(
+    async with spawn_with_faults(
         make_mlp, 3, devices=[far(i) for i in range(3)], faults=faults
     ) as workers:
         async with RefitCoordinator(

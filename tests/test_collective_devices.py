@@ -20,8 +20,9 @@ import anyio
 import pytest
 import torch
 
-from asyncrefit import DeviceId, TransportError, plan_buckets
+from asyncrefit import DeviceId, TransportError
 from asyncrefit._cuda import cuda_device
+from asyncrefit.planning import plan_buckets
 from asyncrefit.trainer import CollectiveTrainer
 from asyncrefit.transport import collective
 from asyncrefit.transport.collective import CollectiveHandle, CollectiveImporter

@@ -23,10 +23,10 @@ from asyncrefit import (
     PushError,
     RefitCoordinator,
     cpu_device,
-    plan_buckets,
 )
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.planning import plan_buckets
 from asyncrefit.trainer import ConvertingSource
 
 from .convert_models import (

@@ -9,20 +9,16 @@ import pytest
 import torch
 
 from asyncrefit import (
-    Bucket,
     BudgetTooSmallError,
     DeviceId,
     DuplicateWorkerError,
     LocalTrainer,
     ParameterMismatchError,
     ParamSpec,
-    Plan,
     PushError,
     RefitCoordinator,
     SourceDiedError,
-    SourceInfo,
     SourceRemoteError,
-    TransmittingSource,
     UnknownDeviceError,
     UnknownWorkerError,
     VersionError,
@@ -32,6 +28,8 @@ from asyncrefit import (
     WorkerTimeoutError,
     cpu_device,
 )
+from asyncrefit.abc import SourceInfo, TransmittingSource
+from asyncrefit.planning import Bucket, Plan
 from asyncrefit.transport import Handle
 
 from .fakes import FakeWorker, Faults

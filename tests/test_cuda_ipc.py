@@ -25,10 +25,12 @@ from asyncrefit import (
     TransportError,
     WorkerDiedError,
     local_node_id,
-    plan_buckets,
 )
 from asyncrefit._cuda import cuda_device, cuda_index, index_of_uuid, normalize_uuid
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
+from asyncrefit.planning import plan_buckets
 from asyncrefit.transport import make_importer
 from asyncrefit.transport.cuda_ipc import CudaIpcExporter, CudaIpcHandle, CudaIpcImporter
 
@@ -179,7 +181,7 @@ async def test_workers_ack_before_their_copies_ran_and_the_repack_waits_on_the_g
     exporter = CudaIpcExporter(0, device_ordering=True)
     dev = exporter.device_id
     late = WorkerFaults(gpu_delay_cycles=20_000_000)  # ~10 ms of spinning per bucket
-    async with spawn_local_workers(
+    async with spawn_with_faults(
         make_gpu_mixed, 2, devices=[dev, dev], faults={"worker-0": late, "worker-1": late}
     ) as workers:
         trainer = LocalTrainer(model, exporter=exporter, devices=[dev])
@@ -229,9 +231,7 @@ async def test_worker_killed_mid_push_then_gpu_memory_returns_to_baseline() -> N
     exporter = CudaIpcExporter(0)
     dev = exporter.device_id
     faults = {"worker-1": WorkerFaults(crash_at_bucket=3)}
-    async with spawn_local_workers(
-        make_gpu_medium, 2, devices=[dev, dev], faults=faults
-    ) as workers:
+    async with spawn_with_faults(make_gpu_medium, 2, devices=[dev, dev], faults=faults) as workers:
         trainer = LocalTrainer(model, exporter=exporter, devices=[dev])
         async with RefitCoordinator(
             trainer=trainer, workers=workers, budget_bytes=2 * bucket, bucket_bytes=bucket

@@ -14,10 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrefit import BucketAck, ParamSpec, cpu_device, plan_buckets
-from asyncrefit._endpoint import Endpoint
-from asyncrefit._layout import Declared
-from asyncrefit._receiver import ParameterSink
+from asyncrefit import ParamSpec, cpu_device
 from asyncrefit._wire._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -36,6 +33,11 @@ from asyncrefit._wire._messages import (
     SpecsReply,
     VersionReply,
 )
+from asyncrefit._worker._endpoint import Endpoint
+from asyncrefit._worker._layout import Declared
+from asyncrefit._worker._receiver import ParameterSink
+from asyncrefit.abc import BucketAck
+from asyncrefit.planning import plan_buckets
 from asyncrefit.transport import Handle, Importer, SharedMemoryExporter, SharedMemoryImporter
 from asyncrefit.vllm import _reload
 from asyncrefit.vllm._sink import ReloadSink

@@ -22,7 +22,8 @@ from asyncrefit.events import (
     as_scalars,
     event_dict,
 )
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
 
 from .fakes import FakeWorker, Faults
 from .helpers import step
@@ -82,7 +83,7 @@ async def test_a_push_tells_begin_packs_acks_and_commit_in_order() -> None:
 async def test_a_killed_worker_is_told_as_its_failure_then_the_abort() -> None:
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(kill_at_bucket=1)}
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(
             trainer=model, workers=workers, budget_bytes=64 * KIB, bucket_bytes=8 * KIB, timeout=30
         ) as refit:

@@ -10,20 +10,21 @@ import torch
 
 from asyncrefit import (
     AsyncRefitError,
-    Bucket,
     ClosedError,
     LocalTrainer,
-    Plan,
     PushError,
     RefitCoordinator,
-    SourceInfo,
     TransportError,
     WorkerDiedError,
     WorkerTimeoutError,
     cpu_device,
 )
-from asyncrefit._receiver import tensor_digest
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit._worker._receiver import tensor_digest
+from asyncrefit.abc import SourceInfo
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
+from asyncrefit.planning import Bucket, Plan
 from asyncrefit.transport import Handle, SharedMemoryExporter
 
 from .fakes import FakeWorker, Faults
@@ -161,7 +162,7 @@ async def test_no_free_slot_is_a_clear_error_not_a_hang() -> None:
 async def test_sigkill_mid_copy_is_reported_fast_and_a_replacement_joins() -> None:
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(kill_at_bucket=1)}
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(
             trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=30
         ) as refit:

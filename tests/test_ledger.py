@@ -21,7 +21,7 @@ from asyncrefit import (
     UnknownWorkerError,
     VersionError,
 )
-from asyncrefit._ledger import Ledger, Member
+from asyncrefit._core._ledger import Ledger, Member
 
 DEVICE = DeviceId(node="n", device="cpu:0")
 

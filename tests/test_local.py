@@ -15,7 +15,9 @@ from asyncrefit import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
 
 from .helpers import assert_hold, child_pids, digests, own_segments, step
 from .models import make_mixed, make_mlp, make_mlp_wide
@@ -74,7 +76,7 @@ async def test_mismatch_is_refused_before_any_byte_reaches_a_worker() -> None:
 async def test_worker_killed_mid_push_is_named_and_others_abort() -> None:
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(crash_at_bucket=2)}
-    async with spawn_local_workers(make_mlp, 3, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 3, faults=faults) as workers:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
             with anyio.fail_after(30):
                 with pytest.raises(PushError) as info:
@@ -118,7 +120,7 @@ async def test_worker_killed_between_pushes() -> None:
 async def test_hung_worker_times_out_then_is_removed() -> None:
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(hang_at_bucket=0)}
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(
             trainer=model,
             workers=workers,
@@ -141,7 +143,7 @@ async def test_hung_worker_times_out_then_is_removed() -> None:
 async def test_cancelled_push_with_processes() -> None:
     model = make_mlp()
     faults = {f"worker-{i}": WorkerFaults(load_delay=0.05) for i in range(2)}
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
             with anyio.move_on_after(0.1) as scope:
                 await refit.push(1)

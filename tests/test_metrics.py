@@ -25,7 +25,8 @@ from asyncrefit import (
     WorkerTimeoutError,
     cpu_device,
 )
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
 from asyncrefit.tools.demo import run_demo
 
 from .fakes import FakeWorker, Faults
@@ -155,7 +156,7 @@ async def test_counters_histograms_and_gauges_follow_real_pushes(
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(load_delay=0.2)}  # a window to scrape mid-push
     async with (
-        spawn_local_workers(make_mlp, 2, faults=faults) as workers,
+        spawn_with_faults(make_mlp, 2, faults=faults) as workers,
         RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit,
     ):
         metrics.attach(refit, "policy")
@@ -235,7 +236,7 @@ async def test_a_killed_worker_counts_as_worker_died_and_its_series_go(
     model = make_mlp()
     faults = {"worker-1": WorkerFaults(kill_at_bucket=1)}
     async with (
-        spawn_local_workers(make_mlp, 2, faults=faults) as workers,
+        spawn_with_faults(make_mlp, 2, faults=faults) as workers,
         RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit,
     ):
         metrics.attach(refit)

@@ -22,7 +22,7 @@ import torch
 
 from asyncrefit import checksum
 from asyncrefit._checksum import tensor_bytes
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.transport.shm import list_segments
 
 # A sitecustomize on PYTHONPATH runs at the start of every Python process that inherits
@@ -52,7 +52,7 @@ import anyio
 import torch
 
 from asyncrefit import RefitCoordinator, checksum
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
 
 

@@ -22,11 +22,11 @@ from asyncrefit import (
     RefitCoordinator,
     TransportError,
     cpu_device,
-    plan_buckets,
 )
-from asyncrefit._layout import Declared
-from asyncrefit._plan import TensorEntry
+from asyncrefit._core._plan import TensorEntry
+from asyncrefit._worker._layout import Declared
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.planning import plan_buckets
 from asyncrefit.trainer import ConvertingSource
 from asyncrefit.transport import Handle
 

@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 
-from asyncrefit import BucketAck, DeviceId, TensorEntry
+from asyncrefit import DeviceId
 from asyncrefit._wire._messages import LoadBucket
 from asyncrefit._wire._pickling import FastPickle
+from asyncrefit.abc import BucketAck
+from asyncrefit.planning import TensorEntry
 from asyncrefit.transport import Handle
 from asyncrefit.transport.collective import CollectiveHandle
 from asyncrefit.transport.cuda_ipc import CudaIpcHandle

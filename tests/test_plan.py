@@ -10,15 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrefit import (
-    ParameterMismatchError,
-    ParamSpec,
-    Plan,
-    PlanError,
-    plan_buckets,
-    validate_worker,
-)
-from asyncrefit._plan import DEFAULT_ALIGNMENT, dtype_itemsize, fingerprint
+from asyncrefit import ParameterMismatchError, ParamSpec, PlanError
+from asyncrefit._core._plan import DEFAULT_ALIGNMENT, dtype_itemsize, fingerprint
+from asyncrefit.planning import Plan, plan_buckets, validate_worker
 
 #: The dtypes the planner supports, with their item sizes (written out independently).
 ITEMSIZE = {
@@ -291,7 +285,9 @@ def test_importing_the_planner_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, asyncrefit._plan\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    code = (
+        "import sys, asyncrefit._core._plan\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

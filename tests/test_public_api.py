@@ -12,6 +12,8 @@ import pytest
 
 PACKAGES = [
     "asyncrefit",
+    "asyncrefit.abc",
+    "asyncrefit.planning",
     "asyncrefit.transport",
     "asyncrefit.local",
     "asyncrefit.ray",
@@ -21,9 +23,8 @@ PACKAGES = [
 
 
 def defined_names(module: types.ModuleType) -> set[str]:
-    """Public names bound by the package's ``__init__.py`` itself (imports, defs, assigns)."""
+    """Public names bound by the module's own source (imports, defs, assigns)."""
     path = Path(inspect.getfile(module))
-    assert path.name == "__init__.py"
     names: set[str] = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ImportFrom) and node.module != "__future__":
@@ -79,3 +80,54 @@ def test_star_import_gives_exactly_all() -> None:
     import asyncrefit
 
     assert set(namespace) - {"__builtins__"} == set(asyncrefit.__all__)
+
+
+@pytest.mark.parametrize("name", ["asyncrefit", "asyncrefit.abc", "asyncrefit.planning"])
+def test_public_names_say_the_module_they_are_imported_from(name: str) -> None:
+    """Tracebacks and reprs name ``asyncrefit.VersionError``, not a private module."""
+    module = importlib.import_module(name)
+    for attr in module.__all__:
+        value = getattr(module, attr)
+        if isinstance(value, type) or inspect.isfunction(value):
+            assert value.__module__ in {name, "asyncrefit", "asyncrefit.abc"}, (attr, value)
+
+
+def test_every_exception_is_exported_from_the_facade() -> None:
+    import asyncrefit
+    from asyncrefit import _exceptions
+
+    errors = {
+        n
+        for n, v in vars(_exceptions).items()
+        if isinstance(v, type)
+        and issubclass(v, BaseException)
+        and v.__module__.startswith("asyncrefit")
+    }
+    assert errors <= set(asyncrefit.__all__)
+
+
+def test_moved_names_still_import_with_a_deprecation_warning() -> None:
+    import asyncrefit
+
+    moved = asyncrefit._MOVED
+    assert moved
+    for name, where in moved.items():
+        with pytest.warns(DeprecationWarning, match=where):
+            value = getattr(asyncrefit, name)
+        assert value is getattr(importlib.import_module(where), name)
+    with pytest.raises(AttributeError):
+        asyncrefit.no_such_name  # noqa: B018
+
+
+def test_moved_names_pickle_by_their_new_home() -> None:
+    """Records that cross a process boundary pickle by a name that resolves."""
+    import pickle
+
+    from asyncrefit import ParamSpec
+    from asyncrefit.abc import BucketAck
+
+    ack = BucketAck(bucket=1, nbytes=8, seconds=0.5)
+    assert pickle.loads(pickle.dumps(ack)) == ack
+    spec = ParamSpec(name="w", shape=(2, 3), dtype="bfloat16")
+    assert ParamSpec.__module__ == "asyncrefit"
+    assert pickle.loads(pickle.dumps(spec)) == spec

@@ -32,9 +32,9 @@ from asyncrefit import (  # noqa: E402
     PushError,
     RefitCoordinator,
     cpu_device,
-    plan_buckets,
 )
 from asyncrefit._exceptions import one_error  # noqa: E402
+from asyncrefit.planning import plan_buckets  # noqa: E402
 from asyncrefit.ray import (  # noqa: E402
     RayTrainerSource,
     RayWorker,

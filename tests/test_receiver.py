@@ -10,21 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from asyncrefit import (
-    BucketAck,
-    DeviceId,
-    ParameterReceiver,
-    ParamSpec,
-    Plan,
-    TransportError,
-    VersionState,
-    cpu_device,
-    plan_buckets,
-    validate_worker,
-)
+from asyncrefit import DeviceId, ParameterReceiver, ParamSpec, TransportError, cpu_device
+from asyncrefit._core._plan import Bucket
 from asyncrefit._exceptions import UpdateStateError
-from asyncrefit._plan import Bucket
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
+from asyncrefit.abc import BucketAck
+from asyncrefit.planning import Plan, VersionState, plan_buckets, validate_worker
 from asyncrefit.transport import Importer, SharedMemoryExporter, SharedMemoryImporter, make_importer
 from asyncrefit.transport._base import Handle, dtype_name, torch_dtype
 
@@ -603,7 +594,7 @@ def test_tensor_digest_is_bitwise() -> None:
 def test_a_handle_seen_before_is_not_checked_again_and_still_delivers(
     exporter: SharedMemoryExporter, importer: SharedMemoryImporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asyncrefit._layout as layout_module
+    import asyncrefit._worker._layout as layout_module
 
     source = make_source()
     params = destination_like(source)
@@ -713,7 +704,7 @@ def test_a_handle_seen_before_is_checked_against_a_new_buffer(
 def test_views_are_kept_of_at_most_max_viewed_buffers(
     exporter: SharedMemoryExporter, importer: SharedMemoryImporter
 ) -> None:
-    from asyncrefit._receiver import MAX_VIEWED_BUFFERS
+    from asyncrefit._worker._receiver import MAX_VIEWED_BUFFERS
 
     slots = MAX_VIEWED_BUFFERS + 3
     source = {f"t{i}": torch.full((64,), float(i)) for i in range(slots)}

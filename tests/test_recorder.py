@@ -14,8 +14,8 @@ import pytest
 
 from asyncrefit import ClosedError, PushError, WorkerDiedError
 from asyncrefit import _recorder as recorder_module
-from asyncrefit._recorder import PushRecorder
-from asyncrefit._topology import Topology
+from asyncrefit._core._recorder import PushRecorder
+from asyncrefit._core._topology import Topology
 from asyncrefit.events import (
     BucketAcked,
     BucketPacked,

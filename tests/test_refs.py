@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrefit import LocalTrainer, RefitCoordinator, WorkerRemoteError, cpu_device
-from asyncrefit._plan import TensorEntry
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._core._plan import TensorEntry
 from asyncrefit._wire._messages import BeginUpdate, GetVersion, LoadBucket, decode, encode
 from asyncrefit._wire._refs import RefDecoder, RefEncoder, UnknownHandleError
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.transport.shm import ShmHandle
 

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncrefit import ParamSpec, TransportError, cpu_device, plan_buckets
-from asyncrefit._plan import Bucket
+from asyncrefit import ParamSpec, TransportError, cpu_device
+from asyncrefit._core._plan import Bucket
+from asyncrefit.planning import plan_buckets
 from asyncrefit.transport.shm import (
     SHM_DIR,
     SharedMemoryExporter,

@@ -27,11 +27,11 @@ from asyncrefit import (
     ParamSpec,
     SharedParameterTrainer,
     TransportError,
-    plan_buckets,
 )
 from asyncrefit._checksum import checksum
+from asyncrefit._core._plan import Bucket, Plan, TensorEntry
 from asyncrefit._dtypes import torch_dtype
-from asyncrefit._plan import Bucket, Plan, TensorEntry
+from asyncrefit.planning import plan_buckets
 from asyncrefit.trainer import CudaSharedParameterTrainer, _cuda_shared
 from asyncrefit.trainer._local import entry_view
 from asyncrefit.trainer._slabs import Refresh, SlabLayout, SlabSpec, bind, refresh_action

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncrefit._slots import SlotTable
+from asyncrefit._core._slots import SlotTable
 
 
 def test_new_table_is_all_free() -> None:

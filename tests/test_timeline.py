@@ -25,7 +25,9 @@ from asyncrefit.events import (
     PushEvent,
     WorkerFailed,
 )
-from asyncrefit.local import WorkerFaults, spawn_local_workers
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.local._client import spawn_with_faults
+from asyncrefit.local._faults import WorkerFaults
 from asyncrefit.tools import timeline
 from asyncrefit.tools.timeline import chrome_trace, draw_timeline
 
@@ -68,7 +70,7 @@ async def _record_failed_push() -> list[PushEvent]:
     model = make_mlp()
     events: list[PushEvent] = []
     faults = {"worker-1": WorkerFaults(crash_at_bucket=2)}
-    async with spawn_local_workers(make_mlp, 2, faults=faults) as workers:
+    async with spawn_with_faults(make_mlp, 2, faults=faults) as workers:
         async with RefitCoordinator(
             trainer=model, workers=workers, budget_bytes=BUDGET, bucket_bytes=BUCKET
         ) as refit:

@@ -15,16 +15,15 @@ from asyncrefit import (
     DeviceId,
     LocalTrainer,
     PackError,
-    Plan,
     PushError,
     RefitCoordinator,
     SharedParameterTrainer,
     cpu_device,
-    plan_buckets,
 )
-from asyncrefit._plan import Bucket
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._core._plan import Bucket
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.planning import Plan, plan_buckets
 from asyncrefit.transport import Handle, SharedMemoryExporter
 
 from .fakes import FakeWorker

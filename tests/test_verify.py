@@ -13,7 +13,7 @@ from asyncrefit import (
     checksum,
     cpu_device,
 )
-from asyncrefit._receiver import tensor_digest
+from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.transport import Handle, SharedMemoryImporter
 

@@ -30,7 +30,6 @@ import pytest_asyncio
 import torch
 
 from asyncrefit import (
-    Bucket,
     DeviceId,
     LocalTrainer,
     ParameterMismatchError,
@@ -39,6 +38,7 @@ from asyncrefit import (
     RefitCoordinator,
     RefitReport,
 )
+from asyncrefit.planning import Bucket
 from asyncrefit.transport import Handle
 from asyncrefit.vllm import (
     EngineConfigError,

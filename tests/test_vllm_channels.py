@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from asyncrefit import WorkerDiedError
-from asyncrefit._messages import GetVersion, VersionReply
+from asyncrefit._wire._messages import GetVersion, VersionReply
 from asyncrefit.vllm._channels import RankChannels
 from asyncrefit.vllm._wire import FRAME_OVERHEAD, BlockingChannel, Hello, pack
 

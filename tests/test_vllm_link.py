@@ -35,8 +35,8 @@ from asyncrefit import (
     WorkerTimeoutError,
     local_node_id,
 )
+from asyncrefit._core._plan import ParamSpec
 from asyncrefit._exceptions import primary_error
-from asyncrefit._plan import ParamSpec
 from asyncrefit._wire._framing import FrameReader
 from asyncrefit._wire._messages import (
     AbortUpdate,

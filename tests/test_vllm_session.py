@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from asyncrefit import AsyncRefitError
+from asyncrefit import AsyncRefitError, SessionError
 from asyncrefit.vllm._session import (
     AbortWorkers,
     EngineStep,
@@ -29,7 +29,6 @@ from asyncrefit.vllm._session import (
     ResetCache,
     Resume,
     Session,
-    SessionError,
     Start,
 )
 

@@ -327,6 +327,46 @@ class PushError(AsyncRefitError):
         )
 
 
+# --- the wire and the backends ---------------------------------------------------
+
+
+class ChannelFailedError(AsyncRefitError):
+    """The channel failed (the peer closed it, or a send timed out); ``cause`` says how."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__)
+        self.cause = cause
+
+
+class UnknownHandleError(AsyncRefitError, LookupError):
+    """A load names a handle number its connection never carried; ``request_id`` is
+    the load's, to answer it with the error."""
+
+    def __init__(self, request_id: int, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class SessionError(AsyncRefitError):
+    """A transition the vLLM session does not allow in its current state."""
+
+
+class EngineConfigError(AsyncRefitError):
+    """The vLLM engine was not started with asyncrefit's engine arguments."""
+
+
+class EngineLoopError(AsyncRefitError):
+    """An ``AsyncLLM`` was used from an event loop other than the one that owns it."""
+
+
+class AwaitableReturnedError(WorkerError):
+    """An actor method returned a coroutine, future or ``ObjectRef``, not a plain value."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised inside actors and pickled back by Ray: rebuild from the fields.
+        return (type(self), (self.worker, self.detail))
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from . import __version__
 from .tools._failure import report_failure
@@ -48,20 +50,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def _numpy_optional() -> Iterator[None]:
+    """Import torch without its warning that numpy is missing (numpy is optional).
+
+    The worker processes the commands start are silenced likewise (see
+    ``asyncrefit.local``); nothing else of the warnings filters changes.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "demo":
         try:
-            from .tools.demo import main as demo_main
+            with _numpy_optional():
+                from .tools.demo import main as demo_main
         except Exception as exc:  # e.g. a broken torch: --json still answers in JSON
             return report_failure("demo", exc, as_json=args.json)
         return demo_main(args)
     if args.command == "bench":
-        from .tools.bench import main as bench_main
+        with _numpy_optional():
+            from .tools.bench import main as bench_main
 
         return bench_main(args)
-    from .tools.bench import plan_main
+    with _numpy_optional():
+        from .tools.bench import plan_main
 
     return plan_main(args)
 

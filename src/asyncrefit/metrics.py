@@ -74,7 +74,7 @@ from ._exceptions import AsyncRefitError
 from .events import BucketAcked, BucketPacked, PushAborted, PushBegun, PushCommitted, PushEvent
 
 if TYPE_CHECKING:
-    from ._coordinator import RefitCoordinator
+    from ._core._coordinator import RefitCoordinator
 
 __all__ = ("MetricsServer", "RefitMetrics", "serve_metrics")
 

@@ -18,6 +18,6 @@ Bottom-up:
 
 This package imports nothing from the rest of asyncrefit at import time except
 leaf modules (devices, plans, transport records, the exception hierarchy), so those may
-import from it. The old top-level paths (``asyncrefit._channel``, ``._mux``,
-``._messages``, ``._refs``, ``asyncrefit.local._framing``) are transitional shims.
+import from it. The old top-level paths (``asyncrefit._wire._channel``, ``._mux``,
+``._messages``, ``._refs``, ``asyncrefit._wire._framing``) are transitional shims.
 """

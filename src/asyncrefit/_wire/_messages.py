@@ -16,8 +16,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+from .._core._plan import ParamSpec
 from .._device import DeviceId
-from .._plan import ParamSpec
 from ..transport._base import Handle
 from ._pickling import FastPickle
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 
+from .._exceptions import ChannelFailedError
 from ._channel import FrameChannel
 from ._messages import decode
 from ._refs import RefEncoder
@@ -38,14 +39,6 @@ CHANNEL_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 _SEND_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CHANNEL_ERRORS)
-
-
-class ChannelFailedError(Exception):
-    """The channel failed (the peer closed it, or a send timed out); ``cause`` says how."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__)
-        self.cause = cause
 
 
 class RequestChannel:

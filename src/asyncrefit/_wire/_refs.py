@@ -23,19 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._exceptions import UnknownHandleError
 from ..transport._base import Handle
 from ._messages import BeginUpdate, LoadBucket, decode, encode
 
 __all__ = ("RefDecoder", "RefEncoder", "UnknownHandleError")
-
-
-class UnknownHandleError(LookupError):
-    """A load names a handle number its connection never carried; ``request_id`` is
-    the load's, to answer it with the error."""
-
-    def __init__(self, request_id: int, message: str) -> None:
-        super().__init__(message)
-        self.request_id = request_id
 
 
 class RefEncoder:

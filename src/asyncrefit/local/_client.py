@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
+import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
+from .._core._plan import ParamSpec
 from .._device import DeviceId, cpu_device
 from .._exceptions import (
     WorkerDiedError,
@@ -20,7 +24,6 @@ from .._exceptions import (
     WorkerTimeoutError,
     one_error,
 )
-from .._plan import ParamSpec
 from .._wire._channel import FrameChannel, UnixListener
 from .._wire._errors import WORKER, Lost, map_wire, raise_for_error
 from .._wire._messages import (
@@ -65,7 +68,7 @@ _REAP_TIMEOUT = 10.0
 class LocalWorker:
     """A worker subprocess with its own event loop, holding a real ``torch.nn.Module``.
 
-    Implements :class:`asyncrefit.Worker`. Each call sends one request over a Unix
+    Implements :class:`asyncrefit.abc.Worker`. Each call sends one request over a Unix
     socket and awaits the reply; calls may overlap (the coordinator sends the next
     bucket's notification while the last one is being loaded), and the worker handles
     requests one at a time, in the order they were sent.
@@ -210,6 +213,22 @@ class LocalWorker:
                 self._dead = "closed"
 
 
+#: The ``-W`` option that silences torch's warning of a missing numpy.
+_NUMPY_WARNING = "ignore:Failed to initialize NumPy:UserWarning"
+
+
+def _quiet_numpy_in_children() -> None:
+    """Where numpy is not installed, spawned workers do not warn that it is missing.
+
+    numpy is not a dependency of asyncrefit, but torch warns of its absence when it is
+    imported, once in every worker process. A spawned process gets the parent's ``-W``
+    options (``sys.warnoptions``), and applies them before it imports anything: this
+    adds one for that warning alone, once, and only where numpy cannot be imported.
+    """
+    if _NUMPY_WARNING not in sys.warnoptions and importlib.util.find_spec("numpy") is None:
+        sys.warnoptions.append(_NUMPY_WARNING)
+
+
 async def _start_worker(
     name: str,
     path: str,
@@ -220,6 +239,7 @@ async def _start_worker(
     start_timeout: float,
 ) -> LocalWorker:
     context = multiprocessing.get_context("spawn")
+    _quiet_numpy_in_children()
     listener = UnixListener(path)
     process = context.Process(
         target=worker_main,
@@ -271,13 +291,45 @@ async def spawn_local_workers(
     ``factory`` must be picklable (a module-level function): processes are spawned,
     not forked. Worker ``i`` is named ``names[i]`` (default ``"worker-i"``) and sits on
     ``devices[i]`` (default the virtual CPU device ``cpu:i``: one device each); give
-    several workers one device to model many consumers of one device. ``faults`` maps
-    worker names to injected faults (tests). Workers start concurrently.
+    several workers one device to model many consumers of one device. Workers start
+    concurrently. (``faults`` is deprecated: fault injection is for the project's own
+    tests, in ``asyncrefit.local._faults``.)
 
     Resource handling: on exit every process is shut down and reaped, also when the
     body raised or was cancelled; if start-up fails, the workers already started are
     shut down before the error propagates.
     """
+    if faults is not None:
+        warnings.warn(
+            "spawn_local_workers(faults=...) is deprecated: fault injection is test-only "
+            "(asyncrefit.local._faults.spawn_with_faults); it goes in the next release",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    async with spawn_with_faults(
+        factory,
+        count,
+        devices=devices,
+        names=names,
+        threads=threads,
+        faults=faults,
+        start_timeout=start_timeout,
+    ) as workers:
+        yield workers
+
+
+@asynccontextmanager
+async def spawn_with_faults(
+    factory: Callable[[], torch.nn.Module],
+    count: int = 2,
+    *,
+    devices: Sequence[DeviceId | str] | None = None,
+    names: Sequence[str] | None = None,
+    threads: int = 1,
+    faults: dict[str, WorkerFaults] | None = None,
+    start_timeout: float = 120.0,
+) -> AsyncIterator[list[LocalWorker]]:
+    """:func:`spawn_local_workers`, with ``faults`` (worker name to faults) injected."""
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
     worker_names = list(names) if names is not None else [f"worker-{i}" for i in range(count)]

@@ -1,6 +1,6 @@
 """The worker process of the local backend: its own event loop, a module, a receiver.
 
-The refit requests are served by the receiver (an :class:`~asyncrefit._endpoint.Endpoint`
+The refit requests are served by the receiver (an :class:`~asyncrefit._worker._endpoint.Endpoint`
 over the module's parameters); the server adds what only a local worker does: copies
 in a thread, fault injection, diagnostics (digests, a forward pass) and shutdown. The
 connection is served by the one serve loop (:mod:`asyncrefit._wire._serve`).
@@ -19,7 +19,6 @@ import anyio
 
 from .._device import DeviceId
 from .._loop import backend_options
-from .._receiver import ParameterReceiver
 from .._wire._channel import connect_unix
 from .._wire._errors import error_reply
 from .._wire._messages import (
@@ -37,6 +36,7 @@ from .._wire._messages import (
 )
 from .._wire._refs import RefDecoder
 from .._wire._serve import serve
+from .._worker._receiver import ParameterReceiver
 from ._faults import WorkerFaults
 
 if TYPE_CHECKING:

@@ -22,6 +22,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("asyncrefit.ray needs Ray: pip install 'asyncrefit[ray]'") from exc
 
+from .._exceptions import AwaitableReturnedError as AwaitableReturnedError
 from .._exceptions import SourceDiedError as SourceDiedError
 from .._exceptions import SourceError as SourceError
 from .._exceptions import SourceRemoteError as SourceRemoteError
@@ -33,7 +34,6 @@ from ._cluster import current_node_id as current_node_id
 from ._cluster import ray_device as ray_device
 from ._cluster import sweep_cluster_segments as sweep_cluster_segments
 from ._cluster import sweep_node_segments as sweep_node_segments
-from ._errors import AwaitableReturnedError as AwaitableReturnedError
 from ._group import TrainerGroup as TrainerGroup
 from ._group import destroy_trainer_group as destroy_trainer_group
 from ._group import init_trainer_group as init_trainer_group

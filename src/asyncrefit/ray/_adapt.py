@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from .._worker import TrainerSource, Worker
+from .._protocols import TrainerSource, Worker
 from ._trainer import RayTrainerSource
 from ._worker import RayWorker
 
@@ -23,7 +23,8 @@ def adapt(obj: Any, role: Literal["worker", "source"]) -> Worker | TrainerSource
 
 
 def as_worker(obj: Any, *, name: str | None = None) -> Worker:
-    """``obj`` as a :class:`~asyncrefit.Worker`: an actor handle is wrapped in :class:`RayWorker`.
+    """``obj`` as a :class:`~asyncrefit.abc.Worker`: an actor handle is wrapped in
+    :class:`RayWorker`.
 
     Anything else is returned unchanged.
     """
@@ -43,7 +44,7 @@ def as_workers(actors: Iterable[Any], *, names: Sequence[str] | None = None) -> 
 
 
 def as_source(obj: Any, *, name: str | None = None) -> TrainerSource:
-    """``obj`` as a :class:`~asyncrefit.TrainerSource`: an actor handle is wrapped in
+    """``obj`` as a :class:`~asyncrefit.abc.TrainerSource`: an actor handle is wrapped in
     :class:`RayTrainerSource`; anything else is returned unchanged."""
     if is_actor_handle(obj):
         return RayTrainerSource(obj, name=name)

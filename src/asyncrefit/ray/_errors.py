@@ -16,16 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .._exceptions import WorkerError
+from .._exceptions import AwaitableReturnedError
 from .._wire._errors import SOURCE, WORKER, ExceptionMapping, Side, map_exceptions
-
-
-class AwaitableReturnedError(WorkerError):
-    """An actor method returned a coroutine, future or ``ObjectRef``, not a plain value."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Raised inside actors and pickled back by Ray: rebuild from the fields.
-        return (type(self), (self.worker, self.detail))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ import anyio
 
 from .._device import DeviceId
 from .._exceptions import AsyncRefitError, SourceDiedError, SourceError, SourceRemoteError
-from .._worker import SourceInfo
+from .._protocols import SourceInfo
 from ..trainer._local import LocalTrainer, NamesLike, TensorsLike
 from ..trainer._local import _reader as reader
 from ..transport._base import Handle
@@ -28,7 +28,7 @@ from ._worker import (
 )
 
 if TYPE_CHECKING:
-    from .._plan import Bucket, Plan
+    from .._core._plan import Bucket, Plan
     from ..transport._base import Exporter
 
 logger = logging.getLogger(__name__)
@@ -254,7 +254,8 @@ class RefitTrainerMixin:
 
 
 class RayTrainerSource:
-    """A :class:`~asyncrefit.TrainerSource` backed by a Ray actor using :class:`RefitTrainerMixin`.
+    """A :class:`~asyncrefit.abc.TrainerSource` backed by a Ray actor that uses
+    :class:`RefitTrainerMixin`.
 
     Every call submits one actor task and awaits its ``ObjectRef`` on the caller's
     loop (never ``ray.get``). The source reports the actor's Ray node id, so the

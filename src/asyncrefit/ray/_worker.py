@@ -8,13 +8,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 
+from .._core._plan import ParamSpec
 from .._device import DeviceId
-from .._exceptions import AsyncRefitError, WorkerDiedError, WorkerError, WorkerRemoteError
-from .._plan import ParamSpec
-from .._receiver import ParameterReceiver
+from .._exceptions import (
+    AsyncRefitError,
+    AwaitableReturnedError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerRemoteError,
+)
 from .._wire._messages import AbortUpdate, BucketAck, CommitUpdate
+from .._worker._receiver import ParameterReceiver
 from ._cluster import current_node_id
-from ._errors import AwaitableReturnedError, worker_errors
+from ._errors import worker_errors
 from ._order import BucketTurns
 from ._stream import StreamCall, driver_host, open_stream, serve_stream
 
@@ -307,7 +313,7 @@ def default_actor_name(actor: Any) -> str:
 
 
 class RayWorker:
-    """A :class:`~asyncrefit.Worker` backed by a Ray actor that uses :class:`RefitWorkerMixin`.
+    """A :class:`~asyncrefit.abc.Worker` backed by a Ray actor that uses :class:`RefitWorkerMixin`.
 
     Each call submits one actor task (``actor.method.remote(...)``, which does not
     block) and awaits its ``ObjectRef`` on the coordinator's loop; nothing calls

@@ -1,6 +1,6 @@
 """The one check that every worker holds the trainer's parameters, bitwise, by digest.
 
-The trainer's side is :func:`module_digests` (a :func:`~asyncrefit._receiver.tensor_digest`
+The trainer's side is :func:`module_digests` (a :func:`~asyncrefit._worker._receiver.tensor_digest`
 per parameter, by name); each worker answers ``parameter_digests()`` the same way.
 :func:`mismatches` asks every worker at once and lists, per worker, the parameters
 whose digest differs (missing and extra names included); :func:`verify_workers`
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
-from .._receiver import tensor_digest
+from .._worker._receiver import tensor_digest
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ class DigestWorker(Protocol):
 
 
 def module_digests(module: torch.nn.Module) -> dict[str, str]:
-    """:func:`~asyncrefit._receiver.tensor_digest` of each parameter, by name."""
+    """:func:`~asyncrefit._worker._receiver.tensor_digest` of each parameter, by name."""
     return {name: tensor_digest(p) for name, p in module.named_parameters()}
 
 

@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._coordinator import RefitCoordinator
+from .._core._coordinator import RefitCoordinator
+from .._core._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
 from .._device import DeviceId, cpu_device
 from .._dtypes import torch_dtype
 from .._exceptions import PlanError
 from .._loop import backend_options
-from .._plan import DEFAULT_ALIGNMENT, ParamSpec, plan_buckets
 from .._wire._messages import LoadBucket, encode, encoded_size
 from ..trainer._local import LocalTrainer
 from ..trainer._shared import SharedParameterTrainer
@@ -61,8 +61,8 @@ from ._verify import VerificationError, module_digests, verify_workers
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket
-    from .._report import RefitReport
+    from .._core._plan import Bucket
+    from .._core._report import RefitReport
     from ..events import PushEvent
     from ..local import LocalWorker
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from .._coordinator import RefitCoordinator
+from .._core._coordinator import RefitCoordinator
 from .._loop import backend_options
 from ..local._client import LocalWorker, spawn_local_workers
 from ._failure import report_failure

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from .._coordinator import RefitCoordinator
+from .._core._coordinator import RefitCoordinator
 from ..local import spawn_local_workers
 from ..transport.shm import list_segments
 from ._machine import rss_bytes

@@ -14,7 +14,7 @@ import anyio
 
 from .._device import DeviceId
 from .._exceptions import TransportError
-from .._worker import SourceInfo
+from .._protocols import SourceInfo
 from ..transport._base import Handle
 from ..transport.collective import (
     _SURFACE_GRACE,
@@ -28,11 +28,11 @@ from ._local import LocalTrainer, TensorsLike
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, ParamSpec, Plan
+    from .._core._plan import Bucket, ParamSpec, Plan
 
 
 class CollectiveTrainer(LocalTrainer):
-    """A :class:`~asyncrefit.TransmittingSource` that broadcasts buckets to remote workers.
+    """A :class:`~asyncrefit.abc.TransmittingSource` that broadcasts buckets to remote workers.
 
     ``parameters`` as for :class:`~asyncrefit.LocalTrainer` (read afresh at every push).
     ``remote`` lists the devices this source serves (default ``None``: any device that

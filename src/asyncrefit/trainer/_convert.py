@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
+from .._core._plan import ParamSpec
 from .._device import DeviceId
 from .._dtypes import cast_problem, dtype_name, torch_dtype
 from .._exceptions import PackError
-from .._plan import ParamSpec
-from .._worker import SourceInfo
+from .._protocols import SourceInfo
 from ._local import _SlotSource, entry_view
 
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, Plan, TensorEntry
+    from .._core._plan import Bucket, Plan, TensorEntry
     from ..transport._base import Exporter, Handle
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class _Stream:
 
 
 class ConvertingSource(_SlotSource):
-    """A :class:`~asyncrefit.TrainerSource` whose tensors a conversion function makes.
+    """A :class:`~asyncrefit.abc.TrainerSource` whose tensors a conversion function makes.
 
     For trainers whose layout is not the engine's (Megatron TP/PP/EP shards, fused
     ``qkv`` and ``gate_up``): ``specs`` are the engine's parameters (names, shapes and
@@ -247,7 +247,7 @@ class ConvertingSource(_SlotSource):
     in it is a collective, so every rank must be asked for the same buckets in the
     same order: pass ``gathers=True`` on every rank, and the coordinator drives each
     rank's source through every bucket, in plan order, also when it serves no worker
-    (see :class:`~asyncrefit.SourceInfo`).
+    (see :class:`~asyncrefit.abc.SourceInfo`).
 
     Resource handling: slots are allocated by ``prepare`` and freed by ``aclose``, off
     the event loop and after a pack still running, also when ``aclose`` is cancelled.

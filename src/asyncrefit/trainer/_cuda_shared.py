@@ -18,7 +18,7 @@ from ._slabs import SlabSpec, _SlabSource
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, Plan
+    from .._core._plan import Bucket, Plan
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class _Slab:
 
 
 class CudaSharedParameterTrainer(_SlabSource[_Slab]):
-    """A zero-copy :class:`~asyncrefit.TrainerSource` for parameters on one GPU.
+    """A zero-copy :class:`~asyncrefit.abc.TrainerSource` for parameters on one GPU.
 
     The GPU counterpart of :class:`~asyncrefit.SharedParameterTrainer`: ``prepare``
     lays the parameters out bucket by bucket in one CUDA allocation per bucket (a

@@ -12,8 +12,8 @@ from ._slices import Piece, Slices, is_plain, view_of
 if TYPE_CHECKING:
     import torch
 
+    from .._core._plan import Bucket
     from .._device import DeviceId
-    from .._plan import Bucket
     from ..transport._base import Exporter
 
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, TypeAlias
 import anyio
 
 from .._checksum import checksum
+from .._core._plan import ParamSpec
 from .._device import DeviceId, local_node_id
 from .._dtypes import dtype_name, torch_dtype
 from .._exceptions import ClosedError, PackError
 from .._names import as_name_map, engine_named
-from .._plan import ParamSpec
-from .._worker import SourceInfo
+from .._protocols import SourceInfo
 from ..transport._base import Exporter, Handle, OrderingExporter
 from ._checkpoint import CheckpointLayout, is_transformers_model
 from ._slices import Slices, copy_plain, rows_of
@@ -31,7 +31,7 @@ from ._slices import Slices, copy_plain, rows_of
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket, Plan, TensorEntry
+    from .._core._plan import Bucket, Plan, TensorEntry
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class _SourceBase:
         the last push, that same object is handed out again.
 
         Workers and links recognise a handle they met before by identity, without
-        hashing or validating it again (see :class:`~asyncrefit._endpoint.Endpoint`).
+        hashing or validating it again (see :class:`~asyncrefit._worker._endpoint.Endpoint`).
         """
         out: list[Handle] = []
         memo = self._handles
@@ -351,7 +351,7 @@ class _SlotSource(_SourceBase):
 
         The coordinator calls it before every export of this source, with the tokens
         the workers' acks carried for the bucket last in ``slot`` (see
-        :class:`~asyncrefit.BucketAck`). With an exporter that can wait for them on the
+        :class:`~asyncrefit.abc.BucketAck`). With an exporter that can wait for them on the
         device (CUDA IPC), handles are marked ``ordered`` from then on, so consumers
         ack as soon as their copies are enqueued.
         """
@@ -425,7 +425,7 @@ def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 
 
 class LocalTrainer(_InProcessSource, _SlotSource):
-    """A :class:`~asyncrefit.TrainerSource` over tensors of this process.
+    """A :class:`~asyncrefit.abc.TrainerSource` over tensors of this process.
 
     ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
     names to tensors, or a callable returning one; it is read afresh at every push, so

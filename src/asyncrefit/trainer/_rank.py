@@ -36,17 +36,17 @@ from .._exceptions import (
     SourceRemoteError,
     SourceTimeoutError,
 )
+from .._protocols import SourceInfo, TrainerSource
 from .._wire._channel import FrameChannel, UnixListener, connect_unix
 from .._wire._errors import SOURCE, Lost, error_reply, map_wire, raise_for_error
 from .._wire._messages import Done, ErrorReply, Hello, decode, encode
 from .._wire._mux import RequestChannel
 from .._wire._refs import RefDecoder
 from .._wire._serve import serve
-from .._worker import SourceInfo, TrainerSource
 
 if TYPE_CHECKING:
+    from .._core._plan import Bucket, Plan
     from .._device import DeviceId
-    from .._plan import Bucket, Plan
     from ..transport._base import Handle
 
 logger = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class RankServer:
 
 
 class RankSource:
-    """A :class:`~asyncrefit.TrainerSource` served by a :class:`RankServer` elsewhere.
+    """A :class:`~asyncrefit.abc.TrainerSource` served by a :class:`RankServer` elsewhere.
 
     Give the coordinator one per rank of another process (and the in-process source
     of its own rank, if it has one). Connects to ``path`` at the first call, waiting

@@ -14,12 +14,12 @@ from ._slabs import SlabSpec, _SlabSource
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket
+    from .._core._plan import Bucket
     from ..transport.shm import _Segment
 
 
 class SharedParameterTrainer(_SlabSource["_Segment"]):
-    """A zero-copy :class:`~asyncrefit.TrainerSource` for CPU parameters.
+    """A zero-copy :class:`~asyncrefit.abc.TrainerSource` for CPU parameters.
 
     ``prepare`` lays the parameters out bucket by bucket in shared-memory segments
     (one copy, once per plan) and rebinds each parameter's ``.data`` to its place

@@ -32,8 +32,8 @@ from ._local import NamesLike, _InProcessSource, entry_view
 if TYPE_CHECKING:
     import torch
 
+    from .._core._plan import Bucket, Plan, TensorEntry
     from .._device import DeviceId
-    from .._plan import Bucket, Plan, TensorEntry
 
 _S = TypeVar("_S")
 

@@ -6,16 +6,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
+from .._core._plan import TensorEntry
 from .._device import DeviceId
 from .._dtypes import dtype_name as dtype_name
 from .._dtypes import torch_dtype as torch_dtype
-from .._plan import TensorEntry
 from .._wire._pickling import FastPickle
 
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket
+    from .._core._plan import Bucket
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

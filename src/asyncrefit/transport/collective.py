@@ -50,7 +50,7 @@ from ._base import Handle
 if TYPE_CHECKING:
     import torch
 
-    from .._plan import Bucket
+    from .._core._plan import Bucket
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from ._base import Handle
 if TYPE_CHECKING:
     import torch
 
+    from .._core._plan import Bucket
     from .._device import DeviceId
-    from .._plan import Bucket
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ weight-update session loads them. Importing this package does not import vLLM; v
 imports :mod:`asyncrefit.vllm.worker` into its worker processes.
 """
 
+from .._exceptions import EngineConfigError as EngineConfigError
+from .._exceptions import EngineLoopError as EngineLoopError
 from ._channels import ChannelStatistics as ChannelStatistics
 from ._connect import VLLMWorker as VLLMWorker
 from ._connect import connect_async_llm as connect_async_llm
 from ._connect import connect_llm as connect_llm
 from ._connect import engine_args as engine_args
-from ._link import EngineConfigError as EngineConfigError
-from ._ops import EngineLoopError as EngineLoopError
 from ._ops import PauseMode as PauseMode
 from ._wire import BACKEND as BACKEND
 from ._wire import EXTENSION as EXTENSION

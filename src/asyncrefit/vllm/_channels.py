@@ -7,7 +7,7 @@ request on that rank's channel, sends the engine one trigger RPC carrying only t
 request id, and gathers each rank's reply from its channel. It also counts what each
 channel carried (:class:`ChannelStatistics`).
 
-The channels are :class:`asyncrefit._channel.FrameChannel`\\ s: they wait with
+The channels are :class:`asyncrefit._wire._channel.FrameChannel`\\ s: they wait with
 :func:`anyio.wait_readable` / :func:`anyio.wait_writable` and do the non-blocking reads
 and writes themselves, so cancelling a read is safe on uvloop (which vLLM's
 ``AsyncLLM`` runs on). Their frames are the worker's (:mod:`._wire`): an 8-byte length,
@@ -38,14 +38,14 @@ from typing import Any
 
 import anyio
 
-from .._channel import HEADER, FrameChannel, UnixListener
 from .._exceptions import (
     WorkerDiedError,
     WorkerRemoteError,
     WorkerTimeoutError,
     primary_error,
 )
-from .._messages import LoadBucket, Reply, Request, encode
+from .._wire._channel import HEADER, FrameChannel, UnixListener
+from .._wire._messages import LoadBucket, Reply, Request, encode
 from ._wire import Aborted, Hello, body, unpack
 
 #: A worker's answer on its channel.

@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+from .._core._plan import ParamSpec
 from .._device import DeviceId
 from .._exceptions import WorkerRemoteError, remote_error
-from .._messages import (
+from .._wire._messages import (
     BucketAck,
     DeviceReply,
     Done,
@@ -33,7 +34,6 @@ from .._messages import (
     SpecsReply,
     VersionReply,
 )
-from .._plan import ParamSpec
 from ..transport._base import Handle
 from ._channels import Answer, ChannelStatistics
 from ._link import CLEANUP_TIMEOUT, _EngineLink
@@ -56,7 +56,7 @@ def _reply_of(reply: Answer, name: str, kind: type[R]) -> R:
 class VLLMWorker:
     """One vLLM worker (one rank of one engine), as the coordinator sees it.
 
-    Implements :class:`asyncrefit.Worker`. Made by :func:`connect_async_llm` or
+    Implements :class:`asyncrefit.abc.Worker`. Made by :func:`connect_async_llm` or
     :func:`connect_llm`, one per rank. Each rank is sent only its own device's handle,
     on its own channel; the engine-wide RPC that tells the workers to read their
     channels carries only a request id. Steps that vLLM runs on every rank at once

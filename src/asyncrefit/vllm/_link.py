@@ -40,6 +40,7 @@ import anyio
 
 from .._exceptions import (
     AsyncRefitError,
+    EngineConfigError,
     PeerWorkerError,
     WorkerDiedError,
     WorkerError,
@@ -48,7 +49,7 @@ from .._exceptions import (
     primary_error,
     remote_error,
 )
-from .._messages import (
+from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     CommitUpdate,
@@ -79,10 +80,6 @@ logger = logging.getLogger(__name__)
 #: and a frame's send (30 s), which an abort may wait behind in the engine, so that by
 #: default an abort is answered rather than reported unconfirmed.
 CLEANUP_TIMEOUT = 45.0
-
-
-class EngineConfigError(AsyncRefitError):
-    """The vLLM engine was not started with asyncrefit's engine arguments."""
 
 
 # --- error translation -------------------------------------------------------------

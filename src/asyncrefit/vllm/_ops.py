@@ -21,17 +21,13 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
 
-from .._exceptions import AsyncRefitError
+from .._exceptions import EngineLoopError
 from ._wire import SERVE_METHOD
 
 R = TypeVar("R")
 
 PauseMode = Literal["abort", "wait", "keep"]
 _PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class EngineLoopError(AsyncRefitError):
-    """An ``AsyncLLM`` was used from an event loop other than the one that owns it."""
 
 
 # --- the two kinds of engine -------------------------------------------------------

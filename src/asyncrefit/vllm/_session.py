@@ -62,11 +62,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .._exceptions import AsyncRefitError
-
-
-class SessionError(AsyncRefitError):
-    """A transition the vLLM session does not allow in its current state."""
+from .._exceptions import SessionError
 
 
 class Phase(enum.Enum):

@@ -1,6 +1,6 @@
 """The sink of a vLLM engine: a bucket's tensors into ``load_weights``, inside a reload.
 
-:class:`ReloadSink` is the :class:`~asyncrefit._endpoint.Sink` of
+:class:`ReloadSink` is the :class:`~asyncrefit._worker._endpoint.Sink` of
 :class:`~asyncrefit.vllm.worker.ChannelWeightTransferEngine`. The endpoint validates
 and opens a bucket's handle; the sink copies the tensors out of the trainer's buffer
 into tensors of this worker (vLLM's layerwise reload keeps a layer's tensors until all
@@ -26,9 +26,9 @@ from typing import Any, Protocol, cast
 import torch
 
 from .._checksum import verify_checksum
+from .._core._plan import ParamSpec
 from .._exceptions import AsyncRefitError, UpdateStateError
-from .._layout import Declared
-from .._plan import ParamSpec
+from .._worker._layout import Declared
 from ..transport._base import Handle, Importer, dtype_name, torch_dtype
 from . import _reload
 from ._wire import Aborted

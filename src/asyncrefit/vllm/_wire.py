@@ -8,7 +8,7 @@ therefore travel to exactly one worker, and what a worker receives per bucket do
 not depend on how many workers the engine has.
 
 A frame is ``length (8 bytes) | request id (8 bytes) | pickled message``, built on
-:mod:`asyncrefit.local._framing`. This module imports neither torch nor vLLM: both
+:mod:`asyncrefit._wire._framing`. This module imports neither torch nor vLLM: both
 sides use it.
 """
 
@@ -19,8 +19,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from .._messages import encode
-from ..local._framing import frame
+from .._wire._framing import frame
+from .._wire._messages import encode
 
 #: The name asyncrefit's weight-transfer engine is registered under in vLLM.
 BACKEND = "asyncrefit"

@@ -9,7 +9,7 @@ weight-transfer engine.
 
 The engine reads requests from its own per-worker channel (see
 :mod:`asyncrefit.vllm._wire`); vLLM's RPCs carry only a request id, and the requests
-are served by the worker-side :class:`~asyncrefit._endpoint.Endpoint` shared by every
+are served by the worker-side :class:`~asyncrefit._worker._endpoint.Endpoint` shared by every
 backend. Weights travel by handle: the endpoint validates and opens the handle for
 its own device; its sink (:mod:`asyncrefit.vllm._sink`) copies the bucket's tensors
 out of the trainer's buffer, drops every view of it, and feeds the tensors, under their
@@ -39,8 +39,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from .._device import DeviceId, local_node_id
-from .._endpoint import Endpoint
 from .._exceptions import AsyncRefitError
+from .._worker._endpoint import Endpoint
 from ._sink import Faults, ReloadSink, checkpoint_specs
 from ._wire import BACKEND, Aborted, BlockingChannel, Hello
 

@@ -3,7 +3,7 @@
 A :class:`PushRecorder` is made when a push is called and owns everything the push
 records about itself: every ``time.perf_counter()`` reading, every
 :mod:`asyncrefit.events` event it emits, and the tallies (:class:`_PushAccount`) that
-become its :class:`~asyncrefit._report.RefitReport`. The push's control flow calls one
+become its :class:`~asyncrefit._core._report.RefitReport`. The push's control flow calls one
 small method per thing that happened (``bucket_sent``, ``acked``, ...) or wraps a stage
 in one of its timing blocks (``with recorder.committing(): ...``).
 
@@ -21,9 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ._exceptions import ClosedError, PushError, WorkerError
-from ._report import RefitReport, StageTimes
-from .events import (
+from .._exceptions import ClosedError, PushError, WorkerError
+from ..events import (
     BucketAcked,
     BucketPacked,
     EventHub,
@@ -32,6 +31,7 @@ from .events import (
     PushCommitted,
     WorkerFailed,
 )
+from ._report import RefitReport, StageTimes
 
 if TYPE_CHECKING:
     from ._topology import Topology

@@ -1,9 +1,9 @@
 """The parameter sink: an endpoint that copies buckets into a worker's own tensors.
 
-:class:`ParameterSink` is the :class:`~asyncrefit._endpoint.Sink` of the local and Ray
+:class:`ParameterSink` is the :class:`~asyncrefit._worker._endpoint.Sink` of the local and Ray
 backends (and of in-process workers): it copies each entry of a bucket into the
 parameter of its name. :class:`ParameterReceiver` is the
-:class:`~asyncrefit._endpoint.Endpoint` over it, the public face of the worker side.
+:class:`~asyncrefit._worker._endpoint.Endpoint` over it, the public face of the worker side.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ._checksum import tensor_bytes, verify_checksum
-from ._device import DeviceId
-from ._dtypes import dtype_name, torch_dtype
+from .._checksum import tensor_bytes, verify_checksum
+from .._core._plan import ParamSpec
+from .._device import DeviceId
+from .._dtypes import dtype_name, torch_dtype
+from .._wire._messages import Done
+from ..transport._base import Handle, Importer
 from ._endpoint import Endpoint
 from ._layout import Declared
-from ._plan import ParamSpec
-from ._wire._messages import Done
-from .transport._base import Handle, Importer
 
 if TYPE_CHECKING:
     import torch
@@ -198,7 +198,7 @@ class ParameterSink:
 class ParameterReceiver(Endpoint[Done]):
     """Copies buckets from transport handles into a worker's own parameter tensors.
 
-    An :class:`~asyncrefit._endpoint.Endpoint` over a :class:`ParameterSink` of
+    An :class:`~asyncrefit._worker._endpoint.Endpoint` over a :class:`ParameterSink` of
     ``parameters`` (``parameter_sink``); it is synchronous (its copies block) and is
     driven by a worker's own event loop through a thread, by the local backend or a
     Ray actor alike. Importers are made on first use from the handle's ``kind`` by
@@ -217,7 +217,7 @@ class ParameterReceiver(Endpoint[Done]):
 
     Error handling: a bucket without a handle for this worker's device, or with any
     entry that does not match this worker's parameters (name, shape, dtype) or cannot
-    be read as it says (see :func:`~asyncrefit._layout.check_layout`), raises
+    be read as it says (see :func:`~asyncrefit._worker._layout.check_layout`), raises
     :class:`~asyncrefit.TransportError` before any of its bytes are written: the
     worker keeps its complete version. A handle with a ``checksum`` is verified after
     the copy: a mismatch raises :class:`~asyncrefit.IntegrityError` (the version stays

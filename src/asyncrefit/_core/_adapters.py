@@ -1,7 +1,7 @@
 """Adapters: plug-ins that turn foreign objects into workers and trainer sources.
 
-The coordinator takes :class:`~asyncrefit.Worker` and
-:class:`~asyncrefit.TrainerSource` objects; an integration (Ray's actor handles, say)
+The coordinator takes :class:`~asyncrefit.abc.Worker` and
+:class:`~asyncrefit.abc.TrainerSource` objects; an integration (Ray's actor handles, say)
 may hand it objects of its own instead. An adapter is looked up by the top-level
 package of the object's type, before the protocols are checked (a proxy such as an
 actor handle answers to any method name, so it would pass for either protocol).

@@ -1,15 +1,15 @@
 """The coordinator: lifecycle, membership, discovery, re-planning and settling.
 
-State lives in two places: the :class:`~asyncrefit._topology.Topology` (sources,
+State lives in two places: the :class:`~asyncrefit._core._topology.Topology` (sources,
 plan, slots, routes: an immutable value, swapped in only once it is validated and
-prepared) and the :class:`~asyncrefit._ledger.Ledger` (members, versions, slots and
+prepared) and the :class:`~asyncrefit._core._ledger.Ledger` (members, versions, slots and
 their readers: a pure state machine). The coordinator asks them what to do, awaits
 the I/O, and reports the outcome back.
 
 A push is serialized by the coordinator's lock and run by a
-:class:`~asyncrefit._push.Push` made for it (the per-bucket pipeline, the abort),
+:class:`~asyncrefit._core._push.Push` made for it (the per-bucket pipeline, the abort),
 which records its times, events and report through a
-:class:`~asyncrefit._recorder.PushRecorder`. The coordinator re-plans before the push
+:class:`~asyncrefit._core._recorder.PushRecorder`. The coordinator re-plans before the push
 when the sources changed, settles old aborts, tells the sources the push ended, and
 cancels a push in progress when it closes.
 """
@@ -24,24 +24,24 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._adapters import adapt
-from ._budget import BudgetStatistics, ByteBudget
-from ._device import DeviceId
-from ._discovery import as_sources, as_workers, describe_sources, discover
-from ._exceptions import (
+from .._device import DeviceId
+from .._exceptions import (
     AsyncRefitError,
     ClosedError,
     PlanError,
     one_error,
 )
+from .._protocols import SourceInfo, TrainerSource, Worker
+from .._wire._messages import LoadSizes
+from ..events import EventHub, EventStream, PushEvent
+from ._adapters import adapt
+from ._budget import BudgetStatistics, ByteBudget
+from ._discovery import as_sources, as_workers, describe_sources, discover
 from ._ledger import Ledger, Member
-from ._messages import LoadSizes
 from ._plan import DEFAULT_ALIGNMENT, Plan
 from ._push import Push, PushOptions, confirm_abort, end_push
 from ._recorder import PushRecorder
 from ._topology import Topology, plan_topology
-from ._worker import SourceInfo, TrainerSource, Worker
-from .events import EventHub, EventStream, PushEvent
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +60,7 @@ class RefitCoordinator:
     ``trainer`` is a :class:`TrainerSource` (or several: one per trainer shard), or a
     ``torch.nn.Module`` / mapping of tensors of this process, which is wrapped in a
     :class:`LocalTrainer` over shared memory. ``workers`` are :class:`Worker` objects
-    with distinct names. Objects an adapter takes (see :mod:`asyncrefit._adapters`:
+    with distinct names. Objects an adapter takes (see :mod:`asyncrefit._core._adapters`:
     Ray actor handles of actors using the :mod:`asyncrefit.ray` mixins, once
     ``asyncrefit[ray]`` is installed) may be given for either and are wrapped as they
     come.

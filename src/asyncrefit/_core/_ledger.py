@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._exceptions import AsyncRefitError, DuplicateWorkerError, UnknownWorkerError, VersionError
+from .._exceptions import AsyncRefitError, DuplicateWorkerError, UnknownWorkerError, VersionError
 from ._slots import SlotTable
 
 if TYPE_CHECKING:
-    from ._device import DeviceId
+    from .._device import DeviceId
+    from .._protocols import Worker
     from ._plan import ParamSpec
-    from ._worker import Worker
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -13,9 +13,9 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ._dtypes import dtype_itemsize as dtype_itemsize
-from ._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
-from ._wire._pickling import FastPickle
+from .._dtypes import dtype_itemsize as dtype_itemsize
+from .._exceptions import ParameterMismatchError, PlanError, WorkerProtocolError
+from .._wire._pickling import FastPickle
 
 #: Default alignment of every tensor inside a bucket, in bytes.
 DEFAULT_ALIGNMENT = 256

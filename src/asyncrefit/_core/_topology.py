@@ -14,17 +14,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from ._device import DeviceId
-from ._dtypes import castable
-from ._exceptions import (
+from .._device import DeviceId
+from .._dtypes import castable
+from .._exceptions import (
     BudgetTooSmallError,
     ParameterMismatchError,
     PlanError,
     UnknownDeviceError,
 )
+from .._protocols import SourceInfo
 from ._ledger import Member
 from ._plan import ParamSpec, Plan, plan_buckets, validate_worker
-from ._worker import SourceInfo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,9 +1,10 @@
 """The worker side of a refit, once for every backend: an endpoint over a sink.
 
 An :class:`Endpoint` answers the coordinator's requests (:mod:`asyncrefit._wire._messages`)
-for one worker: it keeps the worker's :class:`~asyncrefit.VersionState`, picks the
-handle for its own device, validates every entry of that handle before any byte is
-written (:class:`~asyncrefit._layout.Declared`, :func:`~asyncrefit._layout.check_layout`),
+for one worker: it keeps the worker's :class:`~asyncrefit.planning.VersionState`, picks
+the handle for its own device, validates every entry of that handle before any byte is
+written (:class:`~asyncrefit._worker._layout.Declared`,
+:func:`~asyncrefit._worker._layout.check_layout`),
 opens it through an importer cached per transport kind, and hands the opened buffer
 to its :class:`Sink`, which is where the bytes go: a module's own parameters
 (:class:`~asyncrefit.ParameterReceiver`, the local and Ray backends) or a vLLM model's
@@ -20,13 +21,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from ._device import DeviceId
-from ._exceptions import TransportError
-from ._layout import Declared, check_layout, reach
-from ._plan import ParamSpec
-from ._version import VersionState
-from ._wire._errors import error_reply as error_reply
-from ._wire._messages import (
+from .._core._plan import ParamSpec
+from .._device import DeviceId
+from .._exceptions import TransportError
+from .._wire._errors import error_reply as error_reply
+from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -43,7 +42,9 @@ from ._wire._messages import (
     SpecsReply,
     VersionReply,
 )
-from .transport._base import Handle, Importer, make_importer
+from ..transport._base import Handle, Importer, make_importer
+from ._layout import Declared, check_layout, reach
+from ._state import VersionState
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +128,7 @@ class Endpoint(Generic[AbortReply]):
 
     Error handling: a bucket without a handle for this worker's device, or with any
     entry that does not match the sink's declared specs (name, shape, dtype) or cannot
-    be read as it says (see :func:`~asyncrefit._layout.check_layout`), raises
+    be read as it says (see :func:`~asyncrefit._worker._layout.check_layout`), raises
     :class:`TransportError` before the sink sees it (no byte is written: the worker
     keeps its complete version); version mismatches raise
     :class:`~asyncrefit.UpdateStateError`. :meth:`handle` answers every

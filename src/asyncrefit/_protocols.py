@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ._core._plan import ParamSpec
 from ._device import DeviceId
-from ._plan import ParamSpec
 from ._wire._messages import BucketAck
 from .transport._base import Handle
 
 if TYPE_CHECKING:
-    from ._plan import Bucket, Plan
+    from ._core._plan import Bucket, Plan
 
 
 @runtime_checkable
@@ -72,7 +72,7 @@ class SourceInfo:
     may be in flight at once.
 
     ``splits`` is whether the source can pack rows of a parameter (a part, see
-    :attr:`TensorEntry.part <asyncrefit.TensorEntry>`): parameters larger than a bucket
+    :attr:`TensorEntry.part <asyncrefit.planning.TensorEntry>`): parameters larger than a bucket
     are split only when every source can, and every worker takes them in parts.
     """
 

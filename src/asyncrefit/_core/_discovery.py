@@ -16,14 +16,14 @@ from typing import Any, TypeVar
 
 import anyio
 
+from .._device import DeviceId
+from .._exceptions import DuplicateWorkerError, WorkerProtocolError, one_error
+from .._protocols import SourceInfo, TrainerSource, Worker
+from ..trainer._local import LocalTrainer
 from ._adapters import adapt
-from ._device import DeviceId
-from ._exceptions import DuplicateWorkerError, WorkerProtocolError, one_error
 from ._ledger import Member
 from ._plan import check_specs
 from ._push import call_worker
-from ._worker import SourceInfo, TrainerSource, Worker
-from .trainer._local import LocalTrainer
 
 T = TypeVar("T")
 

@@ -13,10 +13,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._dtypes import dtype_itemsize
-from ._exceptions import PlanError, TransportError
-from ._plan import ParamSpec, TensorEntry
-from .transport._base import Handle
+from .._core._plan import ParamSpec, TensorEntry
+from .._dtypes import dtype_itemsize
+from .._exceptions import PlanError, TransportError
+from ..transport._base import Handle
 
 
 def check_layout(handle: Handle, buffer_bytes: int | None = None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._exceptions import UpdateStateError
+from .._exceptions import UpdateStateError
 
 
 class VersionState:

@@ -4,8 +4,8 @@ A :class:`Push` is made by the coordinator once the push is planned (its topolog
 current, its budget and slots ready) and lives for that push only. It holds the
 push's state (version, topology, members, slots in flight, the acks' copy tokens, who
 was touched and who committed) as attributes; what it measures and emits goes to its
-:class:`~asyncrefit._recorder.PushRecorder`; every slot operation goes through the
-:class:`~asyncrefit._ledger.Ledger`.
+:class:`~asyncrefit._core._recorder.PushRecorder`; every slot operation goes through the
+:class:`~asyncrefit._core._ledger.Ledger`.
 
 Resource handling: each bucket takes its slot's bytes from the budget, then a slot
 from the ledger, and gives both back in its step's ``finally`` once no worker may
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from ._exceptions import (
+from .._exceptions import (
     ClosedError,
     PeerWorkerError,
     PushError,
@@ -42,19 +42,19 @@ from ._exceptions import (
     primary_error,
     remote_error,
 )
-from ._worker import OrderedSource, PushEndingSource, TransmittingSource
+from .._protocols import OrderedSource, PushEndingSource, TransmittingSource
 
 if TYPE_CHECKING:
+    from .._device import DeviceId
+    from .._protocols import TrainerSource
+    from .._wire._messages import LoadSizes
+    from ..transport._base import Handle
     from ._budget import ByteBudget
-    from ._device import DeviceId
     from ._ledger import Ledger, Member
-    from ._messages import LoadSizes
     from ._plan import Bucket
     from ._recorder import BucketRecorder, PushRecorder
     from ._report import RefitReport
     from ._topology import Topology
-    from ._worker import TrainerSource
-    from .transport._base import Handle
 
 logger = logging.getLogger(__name__)
 

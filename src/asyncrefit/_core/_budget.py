@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.lowlevel import cancel_shielded_checkpoint, checkpoint_if_cancelled
 
-from ._exceptions import CapacityExceededError
+from .._exceptions import CapacityExceededError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,8 +1,0 @@
-"""Transitional: :mod:`asyncrefit._wire._mux` under its old name.
-
-Kept while ``asyncrefit.vllm`` and ``asyncrefit._coordinator`` (edited in parallel)
-still import it; import :mod:`asyncrefit._wire._mux` in new code. Remove once nothing
-imports this path.
-"""
-
-from ._wire._mux import *  # noqa: F403

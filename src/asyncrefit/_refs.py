@@ -1,8 +1,0 @@
-"""Transitional: :mod:`asyncrefit._wire._refs` under its old name.
-
-Kept while ``asyncrefit.vllm`` and ``asyncrefit._coordinator`` (edited in parallel)
-still import it; import :mod:`asyncrefit._wire._refs` in new code. Remove once nothing
-imports this path.
-"""
-
-from ._wire._refs import *  # noqa: F403
