@@ -13,7 +13,7 @@ import pytest
 
 import asyncrefit
 from asyncrefit import RefitCoordinator, cpu_device
-from asyncrefit import _adapters as adapters
+from asyncrefit._core import _adapters as adapters
 
 from .fakes import FakeWorker
 from .models import make_mlp

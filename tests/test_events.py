@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from asyncrefit import PushError, RefitCoordinator, VersionError, WorkerDiedError, cpu_device
-from asyncrefit import _recorder as recorder_module
+from asyncrefit._core import _recorder as recorder_module
 from asyncrefit.events import (
     BucketAcked,
     BucketPacked,

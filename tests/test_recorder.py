@@ -13,7 +13,7 @@ from typing import cast
 import pytest
 
 from asyncrefit import ClosedError, PushError, WorkerDiedError
-from asyncrefit import _recorder as recorder_module
+from asyncrefit._core import _recorder as recorder_module
 from asyncrefit._core._recorder import PushRecorder
 from asyncrefit._core._topology import Topology
 from asyncrefit.events import (

@@ -25,6 +25,7 @@ Reading order for the source (every underscored module is private):
 """
 
 import warnings as _warnings
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from ._checksum import checksum as checksum
@@ -158,18 +159,21 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> _Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncrefit' has no attribute {name!r}")
-    import importlib
+if not _TYPE_CHECKING:
+    # Not seen by type checkers: a moved name is an error there, not Any.
 
-    _warnings.warn(
-        f"asyncrefit.{name} moved to {module}.{name}; the old name goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(module), name)
+    def __getattr__(name: str) -> _Any:
+        module = _MOVED.get(name)
+        if module is None:
+            raise AttributeError(f"module 'asyncrefit' has no attribute {name!r}")
+        import importlib
+
+        _warnings.warn(
+            f"asyncrefit.{name} moved to {module}.{name}; the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
 
 
 _fix_modules(globals(), __all__)
