@@ -5,7 +5,7 @@ Bottom-up:
 1. :mod:`._channel`: whole frames (8-byte length, payload) over a connected stream
    socket, cancel-safe (:class:`FrameChannel`, Unix and TCP listeners and connects);
    :mod:`._framing`: the same frames over an anyio byte stream or a blocking socket
-   (the vLLM link until it moves onto :mod:`._channel`).
+   (what vLLM's worker processes, which have no event loop of their own, use).
 2. :mod:`._pickling`: fast pickling of the small frozen records that cross at every
    bucket; :mod:`._messages`: the codec (:func:`encode` / :func:`decode`) and the
    message vocabulary (requests, replies, :class:`Hello`, :class:`ErrorReply`).
@@ -18,6 +18,5 @@ Bottom-up:
 
 This package imports nothing from the rest of asyncrefit at import time except
 leaf modules (devices, plans, transport records, the exception hierarchy), so those may
-import from it. The old top-level paths (``asyncrefit._wire._channel``, ``._mux``,
-``._messages``, ``._refs``, ``asyncrefit._wire._framing``) are transitional shims.
+import from it.
 """
