@@ -225,7 +225,13 @@ def _quiet_numpy_in_children() -> None:
     options (``sys.warnoptions``), and applies them before it imports anything: this
     adds one for that warning alone, once, and only where numpy cannot be imported.
     """
-    if _NUMPY_WARNING not in sys.warnoptions and importlib.util.find_spec("numpy") is None:
+    if _NUMPY_WARNING in sys.warnoptions:
+        return
+    try:
+        missing = importlib.util.find_spec("numpy") is None
+    except ImportError:  # an import hook that refuses numpy outright
+        missing = True
+    if missing:
         sys.warnoptions.append(_NUMPY_WARNING)
 
 
