@@ -61,6 +61,7 @@ __all__ = (
     "error_reply",
     "map_exceptions",
     "map_wire",
+    "protocol_reply",
     "raise_for_error",
     "raised_errors",
     "remote_kind",
@@ -105,6 +106,11 @@ def remote_kind(exc: BaseException) -> RemoteKind:
 def error_reply(exc: BaseException) -> ErrorReply:
     """The reply to a request that raised ``exc``: its type name, message and kind."""
     return ErrorReply(type=type(exc).__name__, message=str(exc), kind=remote_kind(exc))
+
+
+def protocol_reply(message: str) -> ErrorReply:
+    """The reply to a request the peer does not understand (kind ``"protocol"``)."""
+    return ErrorReply(type="ProtocolError", message=message, kind="protocol")
 
 
 class RemoteFailure(Exception):
