@@ -40,9 +40,9 @@ from .._exceptions import (
     WorkerError,
     WorkerTimeoutError,
     primary_error,
-    remote_error,
 )
 from .._protocols import OrderedSource, PushEndingSource, TransmittingSource
+from .._wire._errors import WORKER, map_exceptions, raised_errors
 
 if TYPE_CHECKING:
     from .._device import DeviceId
@@ -83,22 +83,22 @@ async def call_worker(
     """Await one worker call for at most ``within`` seconds, translating errors to typed ones.
 
     ``timed=False``: the caller bounds the call (one deadline for a bucket's loads).
-    A worker found dead is passed to ``died`` (it reads no slot any more) first.
+    A worker found dead is passed to ``died`` (it reads no slot any more) first. What
+    an in-process worker raised goes through the one error map
+    (:func:`~asyncrefit._wire._errors.raised_errors`): typed errors pass, a timeout is
+    the worker's, any other exception becomes its remote error of its kind.
     """
     try:
-        if not timed:
-            return await fn()
-        with anyio.fail_after(within):
-            return await fn()
+        with map_exceptions(raised_errors(WORKER, member.name, passing=(TimeoutError,))):
+            if not timed:
+                return await fn()
+            with anyio.fail_after(within):
+                return await fn()
     except TimeoutError:
         raise WorkerTimeoutError(member.name, f"{what} got no answer within {within} s") from None
     except WorkerDiedError:
         died(member)  # a dead worker reads nothing any more
         raise
-    except WorkerError:
-        raise
-    except Exception as exc:  # raised by an in-process worker: attribute it to it
-        raise remote_error(member.name, type(exc).__name__, str(exc)) from exc
 
 
 async def confirm_abort(member: Member, version: int) -> Exception | None:

@@ -10,7 +10,8 @@ its subclasses) or :data:`SOURCE` (:class:`~asyncrefit.SourceDiedError`,
 
 In the style of httpcore's ``map_exceptions``: :func:`map_exceptions` is a context
 manager over a mapping from exception classes to translations, the first match wins,
-anything else passes unchanged. :func:`map_wire` is that map for a
+anything else passes unchanged. :func:`raised_errors` is the map for a peer called in
+this process (its own exception, attributed to it by its kind). :func:`map_wire` is that map for a
 :class:`~asyncrefit._wire._mux.RequestChannel` client, with an asynchronous
 ``on_lost`` hook in which the client releases what the lost peer held (shielded, by
 the hook) before the typed error is raised.
@@ -39,6 +40,7 @@ from .._exceptions import (
     SourceTimeoutError,
     StaleWeightsError,
     WorkerDiedError,
+    WorkerError,
     WorkerIntegrityError,
     WorkerProtocolError,
     WorkerRemoteError,
@@ -59,7 +61,9 @@ __all__ = (
     "error_reply",
     "map_exceptions",
     "map_wire",
+    "protocol_reply",
     "raise_for_error",
+    "raised_errors",
     "remote_kind",
 )
 
@@ -72,15 +76,18 @@ def map_exceptions(mapping: ExceptionMapping, *, chain: bool = True) -> Iterator
     """Raise ``mapping[cls](exc)`` for an exception of the first class it matches.
 
     ``chain``: the caught exception becomes the typed error's ``__cause__``
-    (otherwise the typed error stands alone). Exceptions no class matches, and
-    cancellation, pass unchanged.
+    (otherwise the typed error stands alone). Exceptions no class matches, those whose
+    translation returns them unchanged, and cancellation, pass unchanged.
     """
     try:
         yield
     except Exception as exc:
         for cls, translate in mapping.items():
             if isinstance(exc, cls):
-                raise translate(exc) from (exc if chain else None)
+                error = translate(exc)
+                if error is exc:
+                    raise
+                raise error from (exc if chain else None)
         raise
 
 
@@ -99,6 +106,11 @@ def remote_kind(exc: BaseException) -> RemoteKind:
 def error_reply(exc: BaseException) -> ErrorReply:
     """The reply to a request that raised ``exc``: its type name, message and kind."""
     return ErrorReply(type=type(exc).__name__, message=str(exc), kind=remote_kind(exc))
+
+
+def protocol_reply(message: str) -> ErrorReply:
+    """The reply to a request the peer does not understand (kind ``"protocol"``)."""
+    return ErrorReply(type="ProtocolError", message=message, kind="protocol")
 
 
 class RemoteFailure(Exception):
@@ -141,10 +153,12 @@ def _source_remote(name: str, remote_type: str, message: str, kind: RemoteKind) 
 class Side:
     """The typed errors of one side of the wire, each made from (peer name, detail).
 
-    ``unavailable``: the peer cannot be reached for now and may still be working
-    (Ray's ``ActorUnavailableError``).
+    ``errors``: the base class of the side's typed errors (they pass :func:`raised_errors`
+    unchanged). ``unavailable``: the peer cannot be reached for now and may still be
+    working (Ray's ``ActorUnavailableError``).
     """
 
+    errors: type[Exception]
     died: Callable[[str, str], Exception]
     timeout: Callable[[str, str], Exception]
     unavailable: Callable[[str, str], Exception]
@@ -161,6 +175,7 @@ class Side:
 
 #: An inference worker's errors.
 WORKER = Side(
+    errors=WorkerError,
     died=WorkerDiedError,
     timeout=WorkerTimeoutError,
     unavailable=WorkerTimeoutError,
@@ -168,11 +183,32 @@ WORKER = Side(
 )
 #: A trainer source's errors.
 SOURCE = Side(
+    errors=SourceError,
     died=SourceDiedError,
     timeout=SourceTimeoutError,
     unavailable=SourceError,
     remote=_source_remote,
 )
+
+
+def _unchanged(exc: BaseException) -> BaseException:
+    return exc
+
+
+def raised_errors(
+    side: Side, name: str, *, passing: tuple[type[Exception], ...] = ()
+) -> ExceptionMapping:
+    """The translation of what peer ``name``, called in this process, raised.
+
+    The side's own typed errors, and those of the classes in ``passing`` (the caller
+    handles them), pass unchanged; any other exception becomes the side's remote error
+    of its kind (:func:`remote_kind`, as an :func:`error_reply` would carry it), the
+    exception chained as ``__cause__``.
+    """
+    mapping: dict[type[BaseException], Callable[[Any], BaseException]]
+    mapping = dict.fromkeys((side.errors, *passing), _unchanged)
+    mapping[Exception] = lambda exc: side.from_exception(name, exc)
+    return mapping
 
 
 # --- the map of a request channel's client ------------------------------------------------

@@ -32,7 +32,6 @@ from .._wire._messages import (
     CommitUpdate,
     DeviceReply,
     Done,
-    ErrorReply,
     GetSpecs,
     GetVersion,
     LoadBucket,
@@ -266,7 +265,7 @@ class Endpoint(Generic[AbortReply]):
         except Exception as exc:
             logger.debug("%r: request %r failed", self, request, exc_info=True)
             return error_reply(exc)
-        return ErrorReply(type="TypeError", message=f"unknown request {type(request).__name__}")
+        return error_reply(TypeError(f"unknown request {type(request).__name__}"))
 
     # --- pieces -------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from .._exceptions import (
     WorkerTimeoutError,
 )
 from .._wire._channel import FrameChannel, TcpListener, connect_tcp
-from .._wire._errors import WORKER, error_reply
+from .._wire._errors import WORKER, error_reply, protocol_reply
 from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
@@ -55,10 +55,10 @@ from .._wire._messages import (
     Done,
     ErrorReply,
     LoadBucket,
-    encode,
 )
 from .._wire._mux import ChannelFailedError, RequestChannel
-from .._wire._refs import RefDecoder, UnknownHandleError
+from .._wire._refs import RefDecoder
+from .._wire._serve import Served, serve
 from ._errors import worker_errors
 
 if TYPE_CHECKING:
@@ -300,13 +300,6 @@ async def _answer(step: Awaitable[object]) -> object:
     return Done() if value is None else value
 
 
-def _encoded(request_id: int, reply: object) -> bytes:
-    try:
-        return encode((request_id, reply))
-    except Exception as exc:  # an override returned something that does not pickle
-        return encode((request_id, error_reply(exc)))
-
-
 async def serve_stream(worker: RefitWorkerMixin, host: str, port: int, token: bytes) -> int:
     """The actor's end of a stream: connect, then serve requests in order until it ends.
 
@@ -320,67 +313,68 @@ async def serve_stream(worker: RefitWorkerMixin, host: str, port: int, token: by
     in any order): a stream the driver gave up never begins a version over a newer
     stream's push.
 
+    Requests are served by the one serve loop (:func:`asyncrefit._wire._serve.serve`):
+    a handle never carried and a request of another kind are answered with a protocol
+    error, a reply that does not pickle with its error.
+
     Resource handling: the connection is closed on the way out; nothing is left
     running (each request is awaited before the next is read).
     """
     epoch = worker._refit_stream_started()
     with anyio.fail_after(CONNECT_S):
         channel = await connect_tcp(host, port)
-    refs = RefDecoder()
     pending: int | None = None  # a version begun here, not yet committed or aborted
-    served = 0
+
+    async def handle(message: object) -> object:
+        nonlocal pending
+        reply: object
+        match message:
+            case BeginUpdate(version=v):
+                if not worker._refit_stream_current(epoch):
+                    return ErrorReply(
+                        type="AsyncRefitError",
+                        message=f"the stream of this push (version {v}) was superseded "
+                        "by a newer one",
+                        kind="error",
+                    )
+                reply = await _answer(worker.refit_begin(v))
+                if not isinstance(reply, ErrorReply):
+                    pending = v
+            case LoadBucket(version=v, bucket=b, handles=h):
+                reply = await _answer(worker.refit_load(v, b, h))
+            case CommitUpdate(version=v, buckets=n):
+                reply = await _answer(worker.refit_commit(v, n))
+                if not isinstance(reply, ErrorReply) and v == pending:
+                    pending = None
+            case AbortUpdate(version=v):
+                reply = await _answer(worker.refit_abort(v))
+                if not isinstance(reply, ErrorReply) and v == pending:
+                    pending = None
+            case _:
+                reply = protocol_reply(
+                    f"{type(message).__name__} is not a request of a refit stream"
+                )
+        return reply
+
+    served = Served()
     try:
         try:
             await channel.send(token, within=SEND_S)
         except (*_LOST, TimeoutError):
-            return served
-        while True:
-            try:
-                data = await channel.receive()
-            except _LOST:
-                break
-            try:
-                request_id, message = refs.decode(data)
-            except UnknownHandleError as exc:
-                request_id, message = exc.request_id, exc
-            reply: object
-            match message:
-                case UnknownHandleError():
-                    reply = ErrorReply(type="ProtocolError", message=str(message))
-                case BeginUpdate(version=v):
-                    if not worker._refit_stream_current(epoch):
-                        reply = ErrorReply(
-                            type="AsyncRefitError",
-                            message=f"the stream of this push (version {v}) was superseded "
-                            "by a newer one",
-                        )
-                    else:
-                        reply = await _answer(worker.refit_begin(v))
-                        if not isinstance(reply, ErrorReply):
-                            pending = v
-                case LoadBucket(version=v, bucket=b, handles=h):
-                    reply = await _answer(worker.refit_load(v, b, h))
-                case CommitUpdate(version=v, buckets=n):
-                    reply = await _answer(worker.refit_commit(v, n))
-                    if not isinstance(reply, ErrorReply) and v == pending:
-                        pending = None
-                case AbortUpdate(version=v):
-                    reply = await _answer(worker.refit_abort(v))
-                    if not isinstance(reply, ErrorReply) and v == pending:
-                        pending = None
-                case _:
-                    reply = ErrorReply(
-                        type="ProtocolError",
-                        message=f"{type(message).__name__} is not a request of a refit stream",
-                    )
-            served += 1
-            try:
-                await channel.send(_encoded(request_id, reply), within=SEND_S)
-            except (*_LOST, TimeoutError):
-                break
+            return served.requests
+        await serve(
+            channel,
+            RefDecoder(),
+            handle,
+            until=lambda _: False,
+            send_timeout=SEND_S,
+            unknown=lambda exc: protocol_reply(str(exc)),
+            encode_failures=True,
+            served=served,
+        )
         if pending is not None:  # the driver closed the stream mid-push
             await worker._refit_stream_lost(pending, epoch)
-        return served
+        return served.requests
     finally:
         with anyio.CancelScope(shield=True):
             await channel.aclose()

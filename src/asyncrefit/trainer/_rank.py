@@ -217,7 +217,7 @@ class RankServer:
         except Exception as exc:
             logger.debug("rank request %r failed", request, exc_info=True)
             return error_reply(exc)
-        return ErrorReply(type="TypeError", message=f"unknown request {type(request).__name__}")
+        return error_reply(TypeError(f"unknown request {type(request).__name__}"))
 
     async def aclose(self) -> None:
         """Close the source, the connection and the listener. Idempotent; shielded."""
