@@ -2,7 +2,8 @@
 
 Owns the coordinator's end of every rank's connection (see :mod:`._wire` for the
 worker's end): the Unix socket the ranks connect to, matching each connection to its
-rank by its greeting, and :meth:`RankChannels.exchange`, which writes each rank's
+rank by its greeting (a :class:`~asyncrefit._wire._messages.Hello` of role
+``"vllm-rank"``), and :meth:`RankChannels.exchange`, which writes each rank's
 request on that rank's channel, sends the engine one trigger RPC carrying only the
 request id, and gathers each rank's reply from its channel. It also counts what each
 channel carried (:class:`ChannelStatistics`).
@@ -11,7 +12,7 @@ The channels are :class:`asyncrefit._wire._channel.FrameChannel`\\ s: they wait 
 :func:`anyio.wait_readable` / :func:`anyio.wait_writable` and do the non-blocking reads
 and writes themselves, so cancelling a read is safe on uvloop (which vLLM's
 ``AsyncLLM`` runs on). Their frames are the worker's (:mod:`._wire`): an 8-byte length,
-an 8-byte request id, the pickled message.
+an 8-byte request id, the message in the one codec (:mod:`asyncrefit._wire._messages`).
 
 Resources: :meth:`RankChannels.open` creates a private directory holding the socket,
 listens only until every rank connected, and closes the listener on every path;
@@ -45,11 +46,8 @@ from .._exceptions import (
     primary_error,
 )
 from .._wire._channel import HEADER, FrameChannel, UnixListener
-from .._wire._messages import LoadBucket, Reply, Request, encode
-from ._wire import Aborted, Hello, body, unpack
-
-#: A worker's answer on its channel.
-Answer = Reply | Aborted
+from .._wire._messages import Hello, LoadBucket, Reply, Request, encode
+from ._wire import body, unpack
 
 _SEND_TIMEOUT = 30.0
 
@@ -147,7 +145,11 @@ class RankChannels:
             with anyio.CancelScope(shield=True):
                 await channel.aclose()
             raise
-        if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world:
+        if (
+            not isinstance(hello, Hello)
+            or hello.role != "vllm-rank"
+            or not 0 <= hello.rank < self.world
+        ):
             await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
         if hello.rank in self._channels:
@@ -190,7 +192,7 @@ class RankChannels:
             tally.load_bytes += size
             tally.last_load_bytes = size
 
-    async def _receive(self, rank: int, request_id: int, replies: dict[int, Answer]) -> None:
+    async def _receive(self, rank: int, request_id: int, replies: dict[int, Reply]) -> None:
         channel = self._channels[rank]
         while True:
             try:
@@ -213,7 +215,7 @@ class RankChannels:
         requests: Mapping[int, Request],
         trigger: Callable[[int], Coroutine[Any, Any, None]],
         carried: Callable[[int], object],
-    ) -> dict[int, Answer]:
+    ) -> dict[int, Reply]:
         """Write each rank's request on its channel, ``trigger(request_id)`` them all,
         gather the replies.
 
@@ -230,7 +232,7 @@ class RankChannels:
             trigger_bytes = len(encode(carried(request_id)))
             for tally in self._tally:
                 tally.trigger_bytes = trigger_bytes
-            replies: dict[int, Answer] = {}
+            replies: dict[int, Reply] = {}
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(trigger, request_id)
