@@ -22,9 +22,10 @@ Errors and cancellation: one exchange at a time, so frames stay in order. A fram
 sent whole even when the caller is cancelled (shielded, bounded by a send timeout); a
 channel that broke or whose send timed out marks the link dead
 (:class:`~asyncrefit.WorkerDiedError` / :class:`~asyncrefit.WorkerTimeoutError` naming
-the rank, and every later exchange raises :class:`~asyncrefit.WorkerDiedError`). A read
-cancelled half-way loses nothing; the late reply of a cancelled exchange is recognised
-by its request id and dropped. The trigger's and the reads' failures come back as the
+the rank, through the WORKER side of the one error map, :mod:`asyncrefit._wire._errors`,
+and every later exchange raises :class:`~asyncrefit.WorkerDiedError`). A read cancelled
+half-way loses nothing; the late reply of a cancelled exchange is recognised by its
+request id and dropped. The trigger's and the reads' failures come back as the
 primary error of their task group.
 """
 
@@ -42,10 +43,10 @@ import anyio
 from .._exceptions import (
     WorkerDiedError,
     WorkerRemoteError,
-    WorkerTimeoutError,
     primary_error,
 )
 from .._wire._channel import HEADER, FrameChannel, UnixListener
+from .._wire._errors import WORKER, ExceptionMapping, map_exceptions
 from .._wire._messages import Hello, LoadBucket, Reply, Request, encode
 from ._wire import body, unpack
 
@@ -171,18 +172,33 @@ class RankChannels:
 
     # --- one exchange: frames on every rank's channel, one trigger ------------------
 
+    def _lost(
+        self, rank: int, error: Callable[[str, str], Exception], why: str
+    ) -> Callable[[BaseException], Exception]:
+        """The translation of a failure of ``rank``'s channel: it marks the channels dead
+        (``why``) and names the rank."""
+
+        def lost(exc: BaseException) -> Exception:
+            self.dead = why
+            return error(self._worker_name(rank), why)
+
+        return lost
+
     async def _send(self, rank: int, request_id: int, request: Request) -> None:
         payload = body(request_id, request)
         # A frame cut in half would corrupt the channel: the channel finishes sending it
         # even when cancelled (frames are small), but not forever.
-        try:
+        broke = self._lost(rank, WORKER.died, f"rank {rank}'s channel broke")
+        with map_exceptions(
+            {
+                TimeoutError: self._lost(rank, WORKER.timeout, f"sending to rank {rank} timed out"),
+                anyio.BrokenResourceError: broke,
+                anyio.ClosedResourceError: broke,
+                OSError: broke,
+            },
+            chain=False,
+        ):
             await self._channels[rank].send(payload, within=_SEND_TIMEOUT)
-        except TimeoutError:
-            self.dead = f"sending to rank {rank} timed out"
-            raise WorkerTimeoutError(self._worker_name(rank), self.dead) from None
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            self.dead = f"rank {rank}'s channel broke"
-            raise WorkerDiedError(self._worker_name(rank), self.dead) from None
         size = HEADER + len(payload)  # as sent: the length prefix included
         tally = self._tally[rank]
         tally.frames += 1
@@ -194,12 +210,15 @@ class RankChannels:
 
     async def _receive(self, rank: int, request_id: int, replies: dict[int, Reply]) -> None:
         channel = self._channels[rank]
+        closed = self._lost(rank, WORKER.died, f"rank {rank} closed its channel")
+        lost: ExceptionMapping = {
+            anyio.EndOfStream: closed,
+            anyio.BrokenResourceError: closed,
+            anyio.ClosedResourceError: closed,
+        }
         while True:
-            try:
+            with map_exceptions(lost, chain=False):
                 payload = await channel.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self.dead = f"rank {rank} closed its channel"
-                raise WorkerDiedError(self._worker_name(rank), self.dead) from None
             got, reply = unpack(payload)
             if got == request_id:
                 replies[rank] = reply
