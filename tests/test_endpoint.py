@@ -16,6 +16,7 @@ import torch
 
 from asyncrefit import ParamSpec, cpu_device
 from asyncrefit._wire._messages import (
+    Aborted,
     AbortUpdate,
     BeginUpdate,
     CommitUpdate,
@@ -41,7 +42,6 @@ from asyncrefit.planning import plan_buckets
 from asyncrefit.transport import Handle, Importer, SharedMemoryExporter, SharedMemoryImporter
 from asyncrefit.vllm import _reload
 from asyncrefit.vllm._sink import ReloadSink
-from asyncrefit.vllm._wire import Aborted
 
 from .test_receiver import pack, same_bits, specs_of
 

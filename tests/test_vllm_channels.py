@@ -16,7 +16,8 @@ import pytest
 from asyncrefit import WorkerDiedError
 from asyncrefit._wire._messages import GetVersion, VersionReply
 from asyncrefit.vllm._channels import RankChannels
-from asyncrefit.vllm._wire import FRAME_OVERHEAD, BlockingChannel, Hello, pack
+from asyncrefit.vllm._wire import FRAME_OVERHEAD, BlockingChannel, pack
+from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(20)
 

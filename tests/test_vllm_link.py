@@ -39,6 +39,7 @@ from asyncrefit._core._plan import ParamSpec
 from asyncrefit._exceptions import primary_error
 from asyncrefit._wire._framing import FrameReader
 from asyncrefit._wire._messages import (
+    Aborted,
     AbortUpdate,
     BeginUpdate,
     BucketAck,
@@ -57,7 +58,8 @@ from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
 from asyncrefit.vllm._connect import _connected
 from asyncrefit.vllm._link import _EngineLink, _translate
-from asyncrefit.vllm._wire import BACKEND, EXTENSION, Aborted, Hello, pack, unpack
+from asyncrefit.vllm._wire import BACKEND, EXTENSION, pack, unpack
+from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(30)
 

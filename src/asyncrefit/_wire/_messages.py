@@ -23,6 +23,7 @@ from ._pickling import FastPickle
 
 __all__ = (
     "AbortUpdate",
+    "Aborted",
     "BeginUpdate",
     "BucketAck",
     "CommitUpdate",
@@ -58,12 +59,13 @@ __all__ = (
 class Hello:
     """The first frame a peer sends on its connection: who it is.
 
-    ``role`` says what the peer serves (``"rank"``: a trainer rank's source);
+    ``role`` says what the peer serves (``"rank"``: a trainer rank's source,
+    ``"vllm-rank"``: a worker of a vLLM engine, its channel to the engine's adapter);
     ``name`` names it, ``rank`` is its index among its kind, and ``pid`` lets the
     coordinator sweep what a dead peer left behind.
     """
 
-    role: Literal["rank", "worker"]
+    role: Literal["rank", "worker", "vllm-rank"]
     pid: int
     name: str = ""
     rank: int = 0
@@ -207,6 +209,15 @@ class ForwardReply:
     output: Any
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Aborted:
+    """A vLLM worker's answer to an abort: the complete version it holds after it, and
+    whether any byte of the aborted version had been written into its model."""
+
+    version: int | None
+    written: bool
+
+
 #: What kind of failure an :class:`ErrorReply` reports, decided where it was raised
 #: (see :func:`asyncrefit._wire._errors.error_reply`): ``"error"`` any error,
 #: ``"integrity"`` a checksum mismatch, ``"stale_weights"`` a refused commit,
@@ -233,6 +244,7 @@ Reply: TypeAlias = (
     | VersionReply
     | DigestReply
     | ForwardReply
+    | Aborted
     | ErrorReply
 )
 

@@ -2,7 +2,8 @@
 
 Owns the coordinator's end of every rank's connection (see :mod:`._wire` for the
 worker's end): the Unix socket the ranks connect to, matching each connection to its
-rank by its greeting, and :meth:`RankChannels.exchange`, which writes each rank's
+rank by its greeting (a :class:`~asyncrefit._wire._messages.Hello` of role
+``"vllm-rank"``), and :meth:`RankChannels.exchange`, which writes each rank's
 request on that rank's channel, sends the engine one trigger RPC carrying only the
 request id, and gathers each rank's reply from its channel. It also counts what each
 channel carried (:class:`ChannelStatistics`).
@@ -11,7 +12,7 @@ The channels are :class:`asyncrefit._wire._channel.FrameChannel`\\ s: they wait 
 :func:`anyio.wait_readable` / :func:`anyio.wait_writable` and do the non-blocking reads
 and writes themselves, so cancelling a read is safe on uvloop (which vLLM's
 ``AsyncLLM`` runs on). Their frames are the worker's (:mod:`._wire`): an 8-byte length,
-an 8-byte request id, the pickled message.
+an 8-byte request id, the message in the one codec (:mod:`asyncrefit._wire._messages`).
 
 Resources: :meth:`RankChannels.open` creates a private directory holding the socket,
 listens only until every rank connected, and closes the listener on every path;
@@ -21,9 +22,10 @@ Errors and cancellation: one exchange at a time, so frames stay in order. A fram
 sent whole even when the caller is cancelled (shielded, bounded by a send timeout); a
 channel that broke or whose send timed out marks the link dead
 (:class:`~asyncrefit.WorkerDiedError` / :class:`~asyncrefit.WorkerTimeoutError` naming
-the rank, and every later exchange raises :class:`~asyncrefit.WorkerDiedError`). A read
-cancelled half-way loses nothing; the late reply of a cancelled exchange is recognised
-by its request id and dropped. The trigger's and the reads' failures come back as the
+the rank, through the WORKER side of the one error map, :mod:`asyncrefit._wire._errors`,
+and every later exchange raises :class:`~asyncrefit.WorkerDiedError`). A read cancelled
+half-way loses nothing; the late reply of a cancelled exchange is recognised by its
+request id and dropped. The trigger's and the reads' failures come back as the
 primary error of their task group.
 """
 
@@ -41,15 +43,12 @@ import anyio
 from .._exceptions import (
     WorkerDiedError,
     WorkerRemoteError,
-    WorkerTimeoutError,
     primary_error,
 )
 from .._wire._channel import HEADER, FrameChannel, UnixListener
-from .._wire._messages import LoadBucket, Reply, Request, encode
-from ._wire import Aborted, Hello, body, unpack
-
-#: A worker's answer on its channel.
-Answer = Reply | Aborted
+from .._wire._errors import WORKER, ExceptionMapping, map_exceptions
+from .._wire._messages import Hello, LoadBucket, Reply, Request, encode
+from ._wire import body, unpack
 
 _SEND_TIMEOUT = 30.0
 
@@ -147,7 +146,11 @@ class RankChannels:
             with anyio.CancelScope(shield=True):
                 await channel.aclose()
             raise
-        if not isinstance(hello, Hello) or not 0 <= hello.rank < self.world:
+        if (
+            not isinstance(hello, Hello)
+            or hello.role != "vllm-rank"
+            or not 0 <= hello.rank < self.world
+        ):
             await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
         if hello.rank in self._channels:
@@ -169,18 +172,33 @@ class RankChannels:
 
     # --- one exchange: frames on every rank's channel, one trigger ------------------
 
+    def _lost(
+        self, rank: int, error: Callable[[str, str], Exception], why: str
+    ) -> Callable[[BaseException], Exception]:
+        """The translation of a failure of ``rank``'s channel: it marks the channels dead
+        (``why``) and names the rank."""
+
+        def lost(exc: BaseException) -> Exception:
+            self.dead = why
+            return error(self._worker_name(rank), why)
+
+        return lost
+
     async def _send(self, rank: int, request_id: int, request: Request) -> None:
         payload = body(request_id, request)
         # A frame cut in half would corrupt the channel: the channel finishes sending it
         # even when cancelled (frames are small), but not forever.
-        try:
+        broke = self._lost(rank, WORKER.died, f"rank {rank}'s channel broke")
+        with map_exceptions(
+            {
+                TimeoutError: self._lost(rank, WORKER.timeout, f"sending to rank {rank} timed out"),
+                anyio.BrokenResourceError: broke,
+                anyio.ClosedResourceError: broke,
+                OSError: broke,
+            },
+            chain=False,
+        ):
             await self._channels[rank].send(payload, within=_SEND_TIMEOUT)
-        except TimeoutError:
-            self.dead = f"sending to rank {rank} timed out"
-            raise WorkerTimeoutError(self._worker_name(rank), self.dead) from None
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            self.dead = f"rank {rank}'s channel broke"
-            raise WorkerDiedError(self._worker_name(rank), self.dead) from None
         size = HEADER + len(payload)  # as sent: the length prefix included
         tally = self._tally[rank]
         tally.frames += 1
@@ -190,14 +208,17 @@ class RankChannels:
             tally.load_bytes += size
             tally.last_load_bytes = size
 
-    async def _receive(self, rank: int, request_id: int, replies: dict[int, Answer]) -> None:
+    async def _receive(self, rank: int, request_id: int, replies: dict[int, Reply]) -> None:
         channel = self._channels[rank]
+        closed = self._lost(rank, WORKER.died, f"rank {rank} closed its channel")
+        lost: ExceptionMapping = {
+            anyio.EndOfStream: closed,
+            anyio.BrokenResourceError: closed,
+            anyio.ClosedResourceError: closed,
+        }
         while True:
-            try:
+            with map_exceptions(lost, chain=False):
                 payload = await channel.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self.dead = f"rank {rank} closed its channel"
-                raise WorkerDiedError(self._worker_name(rank), self.dead) from None
             got, reply = unpack(payload)
             if got == request_id:
                 replies[rank] = reply
@@ -213,7 +234,7 @@ class RankChannels:
         requests: Mapping[int, Request],
         trigger: Callable[[int], Coroutine[Any, Any, None]],
         carried: Callable[[int], object],
-    ) -> dict[int, Answer]:
+    ) -> dict[int, Reply]:
         """Write each rank's request on its channel, ``trigger(request_id)`` them all,
         gather the replies.
 
@@ -230,7 +251,7 @@ class RankChannels:
             trigger_bytes = len(encode(carried(request_id)))
             for tally in self._tally:
                 tally.trigger_bytes = trigger_bytes
-            replies: dict[int, Answer] = {}
+            replies: dict[int, Reply] = {}
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(trigger, request_id)

@@ -7,7 +7,7 @@ rank, as the coordinator sees it: each call is one request of that rank through 
 link) and :func:`engine_args`.
 
 Errors: a worker's error reply becomes the typed error of that worker
-(:func:`~asyncrefit._exceptions.remote_error`); a reply of the wrong kind a
+(the WORKER side of the one error map, :mod:`asyncrefit._wire._errors`); a reply of the wrong kind a
 :class:`~asyncrefit.WorkerRemoteError` (``"ProtocolError"``). Resources: see
 :func:`connect_async_llm`.
 """
@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 from .._core._plan import ParamSpec
 from .._device import DeviceId
-from .._exceptions import WorkerRemoteError, remote_error
+from .._exceptions import WorkerRemoteError
+from .._wire._errors import WORKER
 from .._wire._messages import (
     BucketAck,
     DeviceReply,
@@ -30,12 +31,13 @@ from .._wire._messages import (
     GetVersion,
     LoadBucket,
     ReleaseHandles,
+    Reply,
     ReportDevice,
     SpecsReply,
     VersionReply,
 )
 from ..transport._base import Handle
-from ._channels import Answer, ChannelStatistics
+from ._channels import ChannelStatistics
 from ._link import CLEANUP_TIMEOUT, _EngineLink
 from ._ops import PauseMode, _AsyncLLMOps, _LLMOps
 from ._wire import BACKEND, EXTENSION
@@ -43,9 +45,9 @@ from ._wire import BACKEND, EXTENSION
 R = TypeVar("R")
 
 
-def _reply_of(reply: Answer, name: str, kind: type[R]) -> R:
+def _reply_of(reply: Reply, name: str, kind: type[R]) -> R:
     if isinstance(reply, ErrorReply):
-        raise remote_error(name, reply.type, reply.message)
+        raise WORKER.from_reply(name, reply)
     if not isinstance(reply, kind):
         raise WorkerRemoteError(
             name, "ProtocolError", f"expected {kind.__name__}, got {type(reply).__name__}"

@@ -42,23 +42,25 @@ from .._exceptions import (
     AsyncRefitError,
     EngineConfigError,
     PeerWorkerError,
-    WorkerDiedError,
     WorkerError,
     WorkerRemoteError,
     WorkerTimeoutError,
     primary_error,
     remote_error,
 )
+from .._wire._errors import WORKER
 from .._wire._messages import (
+    Aborted,
     AbortUpdate,
     BeginUpdate,
     CommitUpdate,
     ErrorReply,
     LoadBucket,
+    Reply,
     Request,
 )
 from ._barrier import RankBarrier
-from ._channels import Answer, ChannelStatistics, RankChannels
+from ._channels import ChannelStatistics, RankChannels
 from ._ops import _EngineOps
 from ._session import (
     AbortWorkers,
@@ -71,7 +73,7 @@ from ._session import (
     Session,
     Start,
 )
-from ._wire import BACKEND, EXTENSION, Aborted
+from ._wire import BACKEND, EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ CLEANUP_TIMEOUT = 45.0
 # --- error translation -------------------------------------------------------------
 
 
-def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> WorkerError:
+def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Exception:
     """``exc`` (from vLLM, or from a step of every rank) as a typed error of ``name``.
 
     A step runs on every rank of the engine: when it failed at another rank (one of
@@ -102,12 +104,13 @@ def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Wo
         if isinstance(exc, WorkerRemoteError):
             return remote_error(name, exc.remote_type, exc.remote_message)
         return type(exc)(name, exc.detail)
+    # The engine's own failures: the WORKER side of the one error map.
     if isinstance(exc, TimeoutError):
-        return WorkerTimeoutError(name, f"the vLLM engine timed out: {exc}")
+        return WORKER.timeout(name, f"the vLLM engine timed out: {exc}")
     if type(exc).__name__ == "EngineDeadError":
-        return WorkerDiedError(name, f"the vLLM engine died: {exc}")
+        return WORKER.died(name, f"the vLLM engine died: {exc}")
     if isinstance(exc, Exception):
-        return WorkerRemoteError(name, type(exc).__name__, str(exc))
+        return WORKER.from_exception(name, exc)
     return WorkerRemoteError(name, "Interrupted", "the engine-wide step was interrupted")
 
 
@@ -132,7 +135,7 @@ class _EngineLink:
         self.world = int(config.parallel_config.world_size)
         self._channels = RankChannels(name, self.world, self.worker_name)
         self._session_lock = anyio.Lock()  # begin, commit and abort
-        self._barrier: RankBarrier[Request, Answer] = RankBarrier(
+        self._barrier: RankBarrier[Request, Reply] = RankBarrier(
             self.world, self.worker_name, self.translate
         )
         # What the engine owes between calls (paused, an open update, a stale prefix
@@ -165,7 +168,7 @@ class _EngineLink:
     def worker_name(self, rank: int) -> str:
         return f"{self.name}/rank-{rank}"
 
-    def translate(self, exc: BaseException, rank: int) -> WorkerError:
+    def translate(self, exc: BaseException, rank: int) -> Exception:
         """``exc`` as the error of ``rank``; a failure of another rank names that rank."""
         names = [self.worker_name(r) for r in range(self.world)]
         return _translate(exc, self.worker_name(rank), names)
@@ -220,7 +223,7 @@ class _EngineLink:
 
     async def _exchange(
         self, requests: Mapping[int, Request], via: Literal["serve", "update"]
-    ) -> dict[int, Answer]:
+    ) -> dict[int, Reply]:
         """Each rank's request on its channel, triggered by one engine-wide RPC.
 
         ``via`` is the trigger: ``"update"`` is vLLM's ``update_weights`` (inside a
@@ -237,7 +240,7 @@ class _EngineLink:
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
-    async def serve(self, rank: int, request: Request) -> Answer:
+    async def serve(self, rank: int, request: Request) -> Reply:
         """A request outside weight updates (device, specs, version, release).
 
         These carry no handles and change no weights, so the same request goes to
@@ -250,8 +253,8 @@ class _EngineLink:
             raise self.translate(exc, rank) from exc
         return replies[rank]
 
-    async def begin(self, rank: int, version: int) -> Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
+    async def begin(self, rank: int, version: int) -> Reply:
+        async def run(requests: dict[int, Request]) -> dict[int, Reply]:
             async with self._session_lock:
                 if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
@@ -267,15 +270,15 @@ class _EngineLink:
         request = BeginUpdate(version=version)
         return await self._barrier.gather(("begin", version), rank, request, run)
 
-    async def load(self, rank: int, request: LoadBucket) -> Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
+    async def load(self, rank: int, request: LoadBucket) -> Reply:
+        async def run(requests: dict[int, Request]) -> dict[int, Reply]:
             return await self._exchange(requests, "update")
 
         key = ("load", request.version, request.bucket)
         return await self._barrier.gather(key, rank, request, run)
 
-    async def commit(self, rank: int, version: int, buckets: int) -> Answer:
-        async def run(requests: dict[int, Request]) -> dict[int, Answer]:
+    async def commit(self, rank: int, version: int, buckets: int) -> Reply:
+        async def run(requests: dict[int, Request]) -> dict[int, Reply]:
             async with self._session_lock:
                 if not self._session.receiving(version):
                     raise AsyncRefitError(f"version {version} is not being received")

@@ -28,10 +28,10 @@ import torch
 from .._checksum import verify_checksum
 from .._core._plan import ParamSpec
 from .._exceptions import AsyncRefitError, UpdateStateError
+from .._wire._messages import Aborted
 from .._worker._layout import Declared
 from ..transport._base import Handle, Importer, dtype_name, torch_dtype
 from . import _reload
-from ._wire import Aborted
 
 logger = logging.getLogger(__name__)
 

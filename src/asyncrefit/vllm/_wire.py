@@ -1,4 +1,4 @@
-"""The per-worker channel between a coordinator-side adapter and one vLLM worker.
+"""The vLLM worker's frames: a request id in front of a message of the one vocabulary.
 
 Each vLLM worker keeps one Unix-socket connection to the adapter that serves its
 rank. The adapter writes a request frame on that rank's connection only, then sends
@@ -7,20 +7,24 @@ the frame addressed to it, handles it and answers on its own connection. Handles
 therefore travel to exactly one worker, and what a worker receives per bucket does
 not depend on how many workers the engine has.
 
-A frame is ``length (8 bytes) | request id (8 bytes) | pickled message``, built on
-:mod:`asyncrefit._wire._framing`. This module imports neither torch nor vLLM: both
+Owns only what is vLLM's own: the names vLLM loads (:data:`BACKEND`,
+:data:`EXTENSION`), the frame's request-id header (a frame is ``length (8 bytes) |
+request id (8 bytes) | message``), the greeting's role (:class:`RankHello`) and the
+worker's blocking end (:class:`BlockingChannel`). The messages and their codec are
+:mod:`asyncrefit._wire._messages`' (:class:`~asyncrefit._wire._messages.Aborted`, the
+answer to an abort, included); the framing over a blocking socket is
+:mod:`asyncrefit._wire._framing`'s. This module imports neither torch nor vLLM: both
 sides use it.
 """
 
 from __future__ import annotations
 
-import pickle
-import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from .._wire._framing import frame
-from .._wire._messages import encode
+from .._wire._channel import HEADER, frame
+from .._wire._framing import BlockingFrames
+from .._wire._messages import Hello, decode, encode
 
 #: The name asyncrefit's weight-transfer engine is registered under in vLLM.
 BACKEND = "asyncrefit"
@@ -30,26 +34,16 @@ EXTENSION = "asyncrefit.vllm.worker.RefitWorkerExtension"
 SERVE_METHOD = "asyncrefit_serve"
 
 _ID_BYTES = 8
-_LENGTH_BYTES = 8
-#: Bytes a frame adds to its pickled message: the length and the request id.
-FRAME_OVERHEAD = _LENGTH_BYTES + _ID_BYTES
+#: Bytes a frame adds to its encoded message: the length and the request id.
+FRAME_OVERHEAD = HEADER + _ID_BYTES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Hello:
-    """The first frame a worker sends on its connection: who it is."""
+class RankHello(Hello):
+    """The first frame a vLLM worker sends on its connection: the shared
+    :class:`~asyncrefit._wire._messages.Hello`, its role ``"vllm-rank"``."""
 
-    rank: int
-    pid: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Aborted:
-    """A worker's answer to an abort: the complete version it holds after it, and
-    whether any byte of the aborted version had been written into its model."""
-
-    version: int | None
-    written: bool
+    role: Literal["vllm-rank"] = "vllm-rank"
 
 
 def body(request_id: int, message: object) -> bytes:
@@ -66,7 +60,7 @@ def unpack(payload: bytes) -> tuple[int, Any]:
     """``(request id, message)`` of a frame's payload (the part after the length)."""
     if len(payload) < _ID_BYTES:
         raise ValueError(f"frame of {len(payload)} bytes has no request id")
-    return int.from_bytes(payload[:_ID_BYTES], "big"), pickle.loads(payload[_ID_BYTES:])
+    return int.from_bytes(payload[:_ID_BYTES], "big"), decode(payload[_ID_BYTES:])
 
 
 class BlockingChannel:
@@ -77,43 +71,15 @@ class BlockingChannel:
     """
 
     def __init__(self, path: str, timeout: float) -> None:
-        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.settimeout(timeout)
-            self._sock.connect(path)
-        except BaseException:
-            self.close()
-            raise
-
-    def _socket(self) -> socket.socket:
-        if self._sock is None:
-            raise ConnectionError("the asyncrefit channel is closed")
-        return self._sock
+        self._frames = BlockingFrames(path, timeout)
 
     def send(self, request_id: int, message: object) -> int:
         """Send one frame; returns its size in bytes."""
-        data = pack(request_id, message)
-        self._socket().sendall(data)
-        return len(data)
-
-    def _exactly(self, n: int) -> bytes:
-        sock = self._socket()
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise ConnectionError("the coordinator closed the asyncrefit channel")
-            got += k
-        return bytes(buf)
+        return self._frames.send(body(request_id, message))
 
     def receive(self) -> tuple[int, Any]:
         """The next frame's ``(request id, message)``; blocks up to the timeout."""
-        size = int.from_bytes(self._exactly(_LENGTH_BYTES), "big")
-        return unpack(self._exactly(size))
+        return unpack(self._frames.receive())
 
     def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+        self._frames.close()

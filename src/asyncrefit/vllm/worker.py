@@ -40,9 +40,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from .._device import DeviceId, local_node_id
 from .._exceptions import AsyncRefitError
+from .._wire._messages import Aborted
 from .._worker._endpoint import Endpoint
 from ._sink import Faults, ReloadSink, checkpoint_specs
-from ._wire import BACKEND, Aborted, BlockingChannel, Hello
+from ._wire import BACKEND, BlockingChannel, RankHello
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         self._end_abandoned_reload()  # a previous coordinator may have left one open
         channel = BlockingChannel(init_info.channel, init_info.timeout)
         try:
-            channel.send(0, Hello(rank=self._rank, pid=os.getpid()))
+            channel.send(0, RankHello(rank=self._rank, pid=os.getpid()))
         except BaseException:
             channel.close()
             raise
