@@ -32,12 +32,14 @@ from asyncrefit._wire._errors import (
     error_reply,
     map_exceptions,
     map_wire,
+    protocol_reply,
     raise_for_error,
+    raised_errors,
 )
 from asyncrefit._wire._messages import Done, ErrorReply, Shutdown, decode, encode
 from asyncrefit._wire._mux import ChannelFailedError, RequestChannel
 from asyncrefit._wire._refs import RefDecoder
-from asyncrefit._wire._serve import serve
+from asyncrefit._wire._serve import Served, serve
 from asyncrefit.trainer import RankServer, RankSource
 
 pytestmark = pytest.mark.timeout(30)
@@ -117,6 +119,23 @@ async def test_map_wire_releases_a_lost_peer_before_its_typed_error(
     assert raise_for_error(Done()) == Done()
 
 
+def test_raised_errors_pass_typed_and_named_ones_and_map_others_by_kind() -> None:
+    mapping = raised_errors(WORKER, "w", passing=(TimeoutError,))
+    typed = WorkerProtocolError("x", "m")
+    with pytest.raises(WorkerProtocolError) as info, map_exceptions(mapping):
+        raise typed
+    assert info.value is typed
+    with pytest.raises(TimeoutError), map_exceptions(mapping):
+        raise TimeoutError
+    with pytest.raises(WorkerIntegrityError) as integrity, map_exceptions(mapping):
+        raise IntegrityError(1, 2, 3)
+    assert isinstance(integrity.value.__cause__, IntegrityError)
+    with pytest.raises(WorkerRemoteError, match=r"'w': ValueError: bad"), map_exceptions(mapping):
+        raise ValueError("bad")
+    protocol = WORKER.from_reply("w", protocol_reply("m"))
+    assert type(protocol) is WorkerProtocolError
+
+
 # --- the serve loop -----------------------------------------------------------------------
 
 
@@ -164,6 +183,38 @@ async def test_the_serve_loop_answers_in_order_until_told_and_reports_a_lost_pee
         await channel.aclose()
     assert results == [(Shutdown(),), None]
     assert handled == [Done(), Shutdown()]
+
+
+async def test_the_serve_loop_can_answer_an_unpicklable_reply_and_count() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    requests = RequestChannel(FrameChannel(a), send_timeout=5)
+    channel = FrameChannel(b)
+    served = Served()
+
+    async def handle(request: Any) -> Any:
+        return (lambda: None) if isinstance(request, Shutdown) else Done()
+
+    async def peer() -> None:
+        await serve(
+            channel,
+            RefDecoder(),
+            handle,
+            until=lambda r: False,
+            send_timeout=5,
+            encode_failures=True,
+            served=served,
+        )
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(peer)
+            assert await requests.request(Done()) == Done()
+            reply = await requests.request(Shutdown())
+            assert isinstance(reply, ErrorReply) and reply.kind == "error"
+            await requests.aclose()
+    finally:
+        await channel.aclose()
+    assert served.requests == 2
 
 
 # --- a rank on the shared stack ------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -116,6 +116,12 @@ class ByteBudget:
             raise RuntimeError(f"releasing {nbytes} bytes but {self._in_use} are in use")
         self._in_use -= nbytes
         self._wake()
+
+    def release_slots(self, freed: Iterable[int], slot_bytes: int) -> None:
+        """Give back ``slot_bytes`` for each slot in ``freed`` (slots no worker reads any
+        more, as the ledger says), waking waiters that now fit."""
+        for _ in freed:
+            self.release(slot_bytes)
 
     @asynccontextmanager
     async def hold(self, nbytes: int) -> AsyncIterator[None]:

@@ -17,8 +17,7 @@ cancels a push in progress when it closes.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -33,14 +32,14 @@ from .._exceptions import (
 )
 from .._protocols import SourceInfo, TrainerSource, Worker
 from .._wire._messages import LoadSizes
-from ..events import EventHub, EventStream, PushEvent
+from ..events import EventHub
 from ._adapters import adapt
 from ._budget import BudgetStatistics, ByteBudget
 from ._discovery import as_sources, as_workers, describe_sources, discover
 from ._ledger import Ledger, Member
 from ._plan import DEFAULT_ALIGNMENT, Plan
 from ._push import Push, PushOptions, confirm_abort, end_push
-from ._recorder import PushRecorder
+from ._recorder import EventSource, PushRecorder
 from ._topology import Topology, plan_topology
 
 if TYPE_CHECKING:
@@ -54,7 +53,7 @@ logger = logging.getLogger(__name__)
 _SETTLE_BEFORE_PUSH = 0.1
 
 
-class RefitCoordinator:
+class RefitCoordinator(EventSource):
     """Pushes the trainer's weights to inference workers; an async context manager.
 
     ``trainer`` is a :class:`TrainerSource` (or several: one per trainer shard), or a
@@ -88,6 +87,9 @@ class RefitCoordinator:
     handle acknowledged it, or acknowledged an abort, or is known to be dead. Closing
     cancels a push in progress (it aborts as a failed push does) and waits for it at
     most ``cleanup_timeout`` seconds more than its abort takes.
+
+    Events: :meth:`subscribe` and :meth:`events` (from
+    :class:`~asyncrefit._core._recorder.EventSource`).
 
     Error handling: errors of entry are :class:`PlanError` and
     :class:`DiscoveryError` subclasses; see :meth:`push` for a push's errors.
@@ -181,32 +183,6 @@ class RefitCoordinator:
         """Slots held back because these workers may still read them."""
         return self._ledger.quarantined()
 
-    # --- events -----------------------------------------------------------------------
-
-    def subscribe(self, callback: Callable[[PushEvent], object]) -> Callable[[], None]:
-        """Call ``callback(event)`` for every :mod:`asyncrefit.events` event from now on.
-
-        Returns a function that unsubscribes. The callback runs inline on the event
-        loop of the push and must be quick; one that raises is logged and dropped,
-        never raised into the push.
-        """
-        return self._events.subscribe(callback)
-
-    @asynccontextmanager
-    async def events(self, maxlen: int = 1024) -> AsyncIterator[EventStream]:
-        """An async iterator of the events from now until the block ends::
-
-            async with refit.events() as events:
-                async for event in events:
-                    ...
-
-        Resource handling: it buffers at most ``maxlen`` events; when the consumer
-        falls behind, the oldest are dropped and counted (``events.dropped``): a push
-        never waits for a consumer. Iteration ends when the coordinator closes.
-        """
-        async with self._events.stream(maxlen) as stream:
-            yield stream
-
     # --- lifecycle ------------------------------------------------------------------------
 
     async def __aenter__(self) -> RefitCoordinator:
@@ -283,12 +259,9 @@ class RefitCoordinator:
 
     def _settled(self, member: Member) -> None:
         """``member`` reads no slot any more: give the slots it freed back."""
-        self._release_slots(self._ledger.settled(member))
-
-    def _release_slots(self, freed: Iterable[int]) -> None:
-        for _ in freed:
+        if freed := self._ledger.settled(member):
             assert self._budget is not None and self._topology is not None
-            self._budget.release(self._topology.slot_bytes)
+            self._budget.release_slots(freed, self._topology.slot_bytes)
 
     # --- discovery and planning -------------------------------------------------------
 

@@ -267,7 +267,7 @@ class Push:
                 await self._load(bucket, handles, record)
         finally:
             if self._ledger.finish_slot(slot):
-                self._release([slot])
+                self._budget.release(self.topology.slot_bytes)
 
     async def _export(self, bucket: Bucket, slot: int) -> dict[DeviceId, Handle]:
         """Pack and export ``bucket`` into ``slot`` on every source: the handles."""
@@ -421,8 +421,4 @@ class Push:
 
     def _settled(self, member: Member) -> None:
         """``member`` reads no slot any more: give the slots it freed back."""
-        self._release(self._ledger.settled(member))
-
-    def _release(self, freed: Iterable[int]) -> None:
-        for _ in freed:
-            self._budget.release(self.topology.slot_bytes)
+        self._budget.release_slots(self._ledger.settled(member), self.topology.slot_bytes)

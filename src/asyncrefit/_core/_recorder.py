@@ -11,13 +11,16 @@ Nothing here awaits, does I/O or decides anything: the recorder is told, never a
 Nobody listening costs one truthiness check per event, and no event is built. A stage
 that raises is not tallied (a failed push makes no report); timing blocks let every
 exception, cancellation included, pass through untouched.
+
+:class:`EventSource` is the other end: the coordinator's ``subscribe`` and ``events``,
+over the :class:`~asyncrefit.events.EventHub` its recorders emit into.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,15 +29,48 @@ from ..events import (
     BucketAcked,
     BucketPacked,
     EventHub,
+    EventStream,
     PushAborted,
     PushBegun,
     PushCommitted,
+    PushEvent,
     WorkerFailed,
 )
 from ._report import RefitReport, StageTimes
 
 if TYPE_CHECKING:
     from ._topology import Topology
+
+
+class EventSource:
+    """The event subscriptions of an object whose pushes record events into ``_events``
+    (the coordinator's :class:`~asyncrefit.events.EventHub`, which it closes)."""
+
+    _events: EventHub
+
+    def subscribe(self, callback: Callable[[PushEvent], object]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every :mod:`asyncrefit.events` event from now on.
+
+        Returns a function that unsubscribes. The callback runs inline on the event
+        loop of the push and must be quick; one that raises is logged and dropped,
+        never raised into the push.
+        """
+        return self._events.subscribe(callback)
+
+    @asynccontextmanager
+    async def events(self, maxlen: int = 1024) -> AsyncIterator[EventStream]:
+        """An async iterator of the events from now until the block ends::
+
+            async with refit.events() as events:
+                async for event in events:
+                    ...
+
+        Resource handling: it buffers at most ``maxlen`` events; when the consumer
+        falls behind, the oldest are dropped and counted (``events.dropped``): a push
+        never waits for a consumer. Iteration ends when the coordinator closes.
+        """
+        async with self._events.stream(maxlen) as stream:
+            yield stream
 
 
 @dataclass(slots=True)
