@@ -38,6 +38,7 @@ from asyncrefit import (
     RefitCoordinator,
     RefitReport,
 )
+from asyncrefit._wire._channel import HEADER
 from asyncrefit.planning import Bucket
 from asyncrefit.transport import Handle
 from asyncrefit.vllm import (
@@ -49,7 +50,6 @@ from asyncrefit.vllm import (
     connect_async_llm,
     connect_llm,
 )
-from asyncrefit.vllm._wire import FRAME_OVERHEAD
 
 with warnings.catch_warnings():
     # vLLM's import touches deprecated torch attributes (FutureWarning).
@@ -180,14 +180,18 @@ async def async_generate(engine: AsyncLLM) -> tuple[list[list[int]], set[str]]:
 def check_report(
     report: RefitReport, workers: Sequence[VLLMWorker], loads: Mapping[str, int]
 ) -> None:
-    """Each worker got one frame per bucket: its own handle, and only that.
+    """Each worker got one frame per bucket: its own handles, and only those.
 
-    ``loads`` is each worker's ``load_bytes`` before the push. The coordinator counts
-    the encoded LoadBucket it hands a worker; the channel adds its 16-byte frame header.
+    ``loads`` is each worker's ``load_bytes`` before the push. The report counts every
+    handle a worker is sent in full; the channel sends a handle it carried before by
+    its number (``_wire._refs``), so what went on the wire is a frame per bucket of at
+    most that, and never more than the request in full plus a small tuple.
     """
     for w in workers:
         sent = w.statistics().load_bytes - loads[w.name]
-        assert sent == report.handle_bytes_per_worker[w.name] + FRAME_OVERHEAD * report.buckets
+        logical = report.handle_bytes_per_worker[w.name]
+        assert w.statistics().load_frames >= report.buckets
+        assert HEADER * report.buckets < sent <= logical + (HEADER + 32) * report.buckets
 
 
 # --- LLM -------------------------------------------------------------------------------

@@ -13,10 +13,12 @@ import os
 import anyio
 import pytest
 
-from asyncrefit import WorkerDiedError
-from asyncrefit._wire._messages import GetVersion, VersionReply
+from asyncrefit import WorkerDiedError, cpu_device
+from asyncrefit._core._plan import TensorEntry
+from asyncrefit._wire._messages import Done, GetVersion, LoadBucket, VersionReply
+from asyncrefit.transport import ShmHandle
 from asyncrefit.vllm._channels import RankChannels
-from asyncrefit.vllm._wire import FRAME_OVERHEAD, BlockingChannel, pack
+from asyncrefit.vllm._wire import BlockingChannel, pack
 from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(20)
@@ -29,6 +31,7 @@ class Rank:
         self.rank = rank
         self.channel: BlockingChannel | None = None
         self.skipped: list[int] = []
+        self.got: list[object] = []
 
     def connect(self, path: str) -> None:
         self.channel = BlockingChannel(path, timeout=5.0)
@@ -41,8 +44,12 @@ class Rank:
             if got == request_id:
                 break
             self.skipped.append(got)
-        assert isinstance(request, GetVersion)
-        self.channel.send(request_id, VersionReply(version=self.rank))
+        self.got.append(request)
+        if isinstance(request, LoadBucket):
+            self.channel.send(request_id, Done())
+        else:
+            assert isinstance(request, GetVersion)
+            self.channel.send(request_id, VersionReply(version=self.rank))
 
 
 async def test_rank_channels_speak_the_workers_frames() -> None:
@@ -75,7 +82,7 @@ async def test_rank_channels_speak_the_workers_frames() -> None:
         stats = channels.statistics(0)
         assert stats.frames == 2
         assert stats.bytes == 2 * len(pack(2, GetVersion()))
-        assert stats.trigger_bytes > 0 and FRAME_OVERHEAD == 16
+        assert stats.trigger_bytes > 0
     finally:
         await channels.aclose()
         for rank in ranks:
@@ -105,3 +112,42 @@ async def test_a_rank_that_closes_its_channel_kills_the_channels() -> None:
         assert later.value.worker == "e"
     finally:
         await channels.aclose()
+
+
+async def test_a_handle_the_channel_carried_goes_by_reference() -> None:
+    """The second load naming the same handle object sends its number, not the handle,
+    and the worker's end resolves it to the very object it decoded the first time."""
+    rank = Rank(0)
+    channels = RankChannels("e", 1, lambda r: f"e/rank-{r}")
+    entries = tuple(
+        TensorEntry(
+            name=f"layers.{i}.weight", offset=64 * i, nbytes=64, shape=(16,), dtype="float32"
+        )
+        for i in range(8)
+    )
+    handle = ShmHandle(
+        device=cpu_device(0), bucket=0, nbytes=512, entries=entries, segment="asyncrefit-x"
+    )
+
+    async def start(path: str) -> None:
+        await anyio.to_thread.run_sync(rank.connect, path)
+
+    async def trigger(request_id: int) -> None:
+        await anyio.to_thread.run_sync(rank.serve, request_id)
+
+    try:
+        await channels.open(start)
+        sizes = []
+        for bucket in (0, 1):
+            load = LoadBucket(version=1, bucket=bucket, handles=(handle,))
+            assert await channels.exchange({0: load}, trigger, lambda i: (i,)) == {0: Done()}
+            sizes.append(channels.statistics(0).last_load_bytes)
+        first, second = rank.got
+        assert isinstance(first, LoadBucket) and isinstance(second, LoadBucket)
+        assert first.handles == (handle,) and second.handles[0] is first.handles[0]
+        assert second.bucket == 1
+        assert sizes[1] < sizes[0] and sizes[1] < len(pack(1, load))
+    finally:
+        await channels.aclose()
+        if rank.channel is not None:
+            rank.channel.close()

@@ -54,11 +54,12 @@ from asyncrefit._wire._messages import (
     SpecsReply,
     VersionReply,
 )
+from asyncrefit._wire._refs import RefDecoder
 from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
 from asyncrefit.vllm._connect import _connected
 from asyncrefit.vllm._link import _EngineLink, _translate
-from asyncrefit.vllm._wire import BACKEND, EXTENSION, pack, unpack
+from asyncrefit.vllm._wire import BACKEND, EXTENSION, pack
 from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(30)
@@ -78,6 +79,7 @@ class FakeWorker:
         self.before: dict[str, Hook] = {}
         self.version: int | None = None
         self.pending: int | None = None
+        self.refs = RefDecoder()  # loads come by reference, as to a real worker
 
     async def connect(self, path: str) -> None:
         self.stream = await anyio.connect_unix(path)
@@ -93,7 +95,7 @@ class FakeWorker:
         if self.stream is None or self.reader is None:
             return  # no channel: a real worker logs it and returns
         while True:
-            got, request = unpack(await self.reader.receive())
+            got, request = self.refs.decode(await self.reader.receive())
             if got == request_id:
                 break
         kind = type(request).__name__

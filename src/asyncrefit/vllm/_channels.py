@@ -11,8 +11,9 @@ channel carried (:class:`ChannelStatistics`).
 The channels are :class:`asyncrefit._wire._channel.FrameChannel`\\ s: they wait with
 :func:`anyio.wait_readable` / :func:`anyio.wait_writable` and do the non-blocking reads
 and writes themselves, so cancelling a read is safe on uvloop (which vLLM's
-``AsyncLLM`` runs on). Their frames are the worker's (:mod:`._wire`): an 8-byte length,
-an 8-byte request id, the message in the one codec (:mod:`asyncrefit._wire._messages`).
+``AsyncLLM`` runs on). Their frames are the worker's (:mod:`._wire`): an 8-byte length, then
+``(request id, message)`` in the one codec (:mod:`asyncrefit._wire._messages`), a
+load's handles by reference (a :class:`~asyncrefit._wire._refs.RefEncoder` per rank).
 
 Resources: :meth:`RankChannels.open` creates a private directory holding the socket,
 listens only until every rank connected, and closes the listener on every path;
@@ -48,7 +49,8 @@ from .._exceptions import (
 from .._wire._channel import HEADER, FrameChannel, UnixListener
 from .._wire._errors import WORKER, ExceptionMapping, map_exceptions
 from .._wire._messages import Hello, LoadBucket, Reply, Request, encode
-from ._wire import body, unpack
+from .._wire._refs import RefEncoder
+from ._wire import unpack
 
 _SEND_TIMEOUT = 30.0
 
@@ -59,6 +61,10 @@ class ChannelStatistics:
 
     ``load_bytes`` and ``last_load_bytes`` count the frames carrying buckets (all of
     them, and the last one): the bytes of handles a worker receives, framing included.
+    A handle the channel carried before goes by its number (see
+    :mod:`asyncrefit._wire._refs`), so a push whose slots are unchanged sends a few
+    dozen bytes per bucket; the report's ``handle_bytes_per_worker`` counts every
+    handle in full.
     ``trigger_bytes`` is the pickled size of the arguments of the last RPC that told
     the worker to read its channel; vLLM sends the same trigger to every worker.
     """
@@ -103,6 +109,8 @@ class RankChannels:
         self.world = world
         self._worker_name = worker_name
         self._channels: dict[int, FrameChannel] = {}
+        # Per rank, the table of handles its channel carried (see _wire._refs).
+        self._refs: dict[int, RefEncoder] = {}
         self._tally = [_Tally() for _ in range(world)]
         self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
         self._next_id = 0
@@ -157,6 +165,7 @@ class RankChannels:
             await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"rank {hello.rank} twice")
         self._channels[hello.rank] = channel
+        self._refs[hello.rank] = RefEncoder()
 
     async def aclose(self) -> None:
         """Close every channel and remove the socket's directory; idempotent."""
@@ -164,6 +173,7 @@ class RankChannels:
             for channel in self._channels.values():
                 await channel.aclose()
             self._channels.clear()
+            self._refs.clear()
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
@@ -185,7 +195,9 @@ class RankChannels:
         return lost
 
     async def _send(self, rank: int, request_id: int, request: Request) -> None:
-        payload = body(request_id, request)
+        # Encoded with no await before the send starts (a frame the table counted is
+        # a frame on the wire; a channel that fails mid-frame is never used again).
+        payload = self._refs[rank].encode(request_id, request)
         # A frame cut in half would corrupt the channel: the channel finishes sending it
         # even when cancelled (frames are small), but not forever.
         broke = self._lost(rank, WORKER.died, f"rank {rank}'s channel broke")

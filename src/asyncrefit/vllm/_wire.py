@@ -8,11 +8,14 @@ therefore travel to exactly one worker, and what a worker receives per bucket do
 not depend on how many workers the engine has.
 
 Owns only what is vLLM's own: the names vLLM loads (:data:`BACKEND`,
-:data:`EXTENSION`), the frame's request-id header (a frame is ``length (8 bytes) |
-request id (8 bytes) | message``), the greeting's role (:class:`RankHello`) and the
-worker's blocking end (:class:`BlockingChannel`). The messages and their codec are
-:mod:`asyncrefit._wire._messages`' (:class:`~asyncrefit._wire._messages.Aborted`, the
-answer to an abort, included); the framing over a blocking socket is
+:data:`EXTENSION`), the greeting's role (:class:`RankHello`) and the worker's blocking
+end (:class:`BlockingChannel`). Everything else is the one wire stack's: a frame's
+payload is ``(request id, message)`` of the one vocabulary
+(:mod:`asyncrefit._wire._messages`, :class:`~asyncrefit._wire._messages.Aborted`
+included), with handles by reference as local and Ray workers get them
+(:mod:`asyncrefit._wire._refs`: the adapter keeps a
+:class:`~asyncrefit._wire._refs.RefEncoder` per rank, the worker a
+:class:`~asyncrefit._wire._refs.RefDecoder`); the framing over a blocking socket is
 :mod:`asyncrefit._wire._framing`'s. This module imports neither torch nor vLLM: both
 sides use it.
 """
@@ -22,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._wire._channel import HEADER, frame
+from .._wire._channel import frame
 from .._wire._framing import BlockingFrames
 from .._wire._messages import Hello, decode, encode
+from .._wire._refs import RefDecoder
 
 #: The name asyncrefit's weight-transfer engine is registered under in vLLM.
 BACKEND = "asyncrefit"
@@ -32,10 +36,9 @@ BACKEND = "asyncrefit"
 EXTENSION = "asyncrefit.vllm.worker.RefitWorkerExtension"
 #: The worker method that serves one request outside a weight-update session.
 SERVE_METHOD = "asyncrefit_serve"
-
-_ID_BYTES = 8
-#: Bytes a frame adds to its encoded message: the length and the request id.
-FRAME_OVERHEAD = HEADER + _ID_BYTES
+#: The worker method that closes the worker's channel (vLLM 0.26 has no
+#: ``shutdown_weight_transfer_engine``; this one works on every release).
+SHUTDOWN_METHOD = "asyncrefit_shutdown"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,8 +50,9 @@ class RankHello(Hello):
 
 
 def body(request_id: int, message: object) -> bytes:
-    """A frame's payload (what follows the length): ``request_id``, then ``message``."""
-    return request_id.to_bytes(_ID_BYTES, "big") + encode(message)
+    """A frame's payload (what follows the length): ``(request_id, message)``, every
+    handle in full (the adapter's requests go by reference instead)."""
+    return encode((request_id, message))
 
 
 def pack(request_id: int, message: object) -> bytes:
@@ -57,10 +61,12 @@ def pack(request_id: int, message: object) -> bytes:
 
 
 def unpack(payload: bytes) -> tuple[int, Any]:
-    """``(request id, message)`` of a frame's payload (the part after the length)."""
-    if len(payload) < _ID_BYTES:
-        raise ValueError(f"frame of {len(payload)} bytes has no request id")
-    return int.from_bytes(payload[:_ID_BYTES], "big"), decode(payload[_ID_BYTES:])
+    """``(request id, message)`` of a payload made by :func:`body` (the part after the
+    length); ``ValueError`` for anything else."""
+    message = decode(payload)
+    if not (isinstance(message, tuple) and len(message) == 2 and isinstance(message[0], int)):
+        raise ValueError(f"not a (request id, message) frame: {type(message).__name__}")
+    return message[0], message[1]
 
 
 class BlockingChannel:
@@ -72,14 +78,18 @@ class BlockingChannel:
 
     def __init__(self, path: str, timeout: float) -> None:
         self._frames = BlockingFrames(path, timeout)
+        self._refs = RefDecoder()
 
     def send(self, request_id: int, message: object) -> int:
         """Send one frame; returns its size in bytes."""
         return self._frames.send(body(request_id, message))
 
     def receive(self) -> tuple[int, Any]:
-        """The next frame's ``(request id, message)``; blocks up to the timeout."""
-        return unpack(self._frames.receive())
+        """The next frame's ``(request id, message)``, a load's handles resolved by
+        reference; blocks up to the timeout. Every frame must pass through here, in the
+        order it arrived (frames the caller skips included): the reference table
+        follows the frames."""
+        return self._refs.decode(self._frames.receive())
 
     def close(self) -> None:
         self._frames.close()
