@@ -181,7 +181,7 @@ async def connect_async_llm(
 
     Resource handling: entering opens one Unix socket that every rank connects to;
     exiting ends any open update session, resumes generation, asks the workers to
-    close their channels and handle mappings (``shutdown_weight_transfer_engine``),
+    close their channels and handle mappings (the extension's ``asyncrefit_shutdown`` RPC),
     and removes the socket, shielded from cancellation. It does not shut the engine
     down.
 

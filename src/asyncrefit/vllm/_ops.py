@@ -5,7 +5,8 @@ engine: the trigger RPCs, vLLM's weight-update session, pausing, the prefix cach
 weight version), its two implementations (:class:`_AsyncLLMOps` for ``vllm.AsyncLLM``,
 :class:`_LLMOps` for ``vllm.LLM``) and :class:`EngineLoopError`.
 
-Errors: each call raises what vLLM raised (the link translates it into a
+Where vLLM releases differ (the weight-version label), the calls ask
+:mod:`._compat`. Errors: each call raises what vLLM raised (the link translates it into a
 :class:`~asyncrefit.WorkerError`); :func:`_check_reset` turns vLLM's "could not reset" answer
 into a ``RuntimeError``. ``AsyncLLM`` calls refuse to run off the engine's own loop
 (:class:`EngineLoopError`). Resources: none of their own; an ``LLM``'s blocking calls
@@ -22,7 +23,8 @@ from typing import Any, Literal, Protocol, TypeVar
 import anyio
 
 from .._exceptions import EngineLoopError
-from ._wire import SERVE_METHOD
+from ._compat import features
+from ._wire import SERVE_METHOD, SHUTDOWN_METHOD
 
 R = TypeVar("R")
 
@@ -114,11 +116,15 @@ class _AsyncLLMOps:
 
     async def finish(self, label: str | None) -> None:
         self._check()
-        await self._engine.finish_weight_update(weight_version=label)
+        if features().weight_versions:
+            await self._engine.finish_weight_update(weight_version=label)
+        else:  # vLLM 0.26: no label to set
+            await self._engine.finish_weight_update()
 
     async def set_label(self, label: str) -> None:
         self._check()
-        await self._engine.update_weight_version(label)
+        if features().weight_versions:
+            await self._engine.update_weight_version(label)
 
     async def init(self, channel: str, read_timeout: float) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -130,7 +136,7 @@ class _AsyncLLMOps:
 
     async def shutdown(self) -> None:
         self._check()
-        await self._engine.shutdown_weight_transfer_engine()
+        await self._engine.collective_rpc(SHUTDOWN_METHOD)
 
     async def pause(self) -> None:
         self._check()
@@ -182,15 +188,16 @@ class _LLMOps:
             await self.set_label(label)
 
     async def set_label(self, label: str) -> None:
-        engine = self._llm.llm_engine
-        await self._run(lambda: engine.set_weight_version(label))
+        if features().weight_versions:
+            engine = self._llm.llm_engine
+            await self._run(lambda: engine.set_weight_version(label))
 
     async def init(self, channel: str, read_timeout: float) -> None:
         init_info = {"channel": channel, "timeout": read_timeout}
         await self._rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     async def shutdown(self) -> None:
-        await self._rpc("shutdown_weight_transfer_engine")
+        await self._rpc(SHUTDOWN_METHOD)
 
     async def pause(self) -> None:
         pass  # an LLM generates only inside its own blocking calls: nothing to pause

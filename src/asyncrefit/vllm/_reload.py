@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from .._exceptions import StaleWeightsError
+from ._compat import is_attention
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +197,7 @@ def review(model: torch.nn.Module) -> Review:
 
 
 def _is_attention(layer: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
-    return bool(is_deferred_attention_layer(layer))
+    return is_attention(layer)
 
 
 def _processing(layer: torch.nn.Module) -> str | None:

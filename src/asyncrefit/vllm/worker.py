@@ -42,6 +42,7 @@ from .._device import DeviceId, local_node_id
 from .._exceptions import AsyncRefitError
 from .._wire._messages import Aborted
 from .._worker._endpoint import Endpoint
+from ._compat import not_a_trainer_side
 from ._sink import Faults, ReloadSink, checkpoint_specs
 from ._wire import BACKEND, BlockingChannel, RankHello
 
@@ -119,6 +120,8 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     init_info_cls = ChannelInitInfo
     update_info_cls = ChannelTrigger
     supports_draft_weight_update = False
+    # Abstract in vLLM 0.26: the coordinator sends, never vLLM's trainer-side helper.
+    trainer_send_weights = staticmethod(not_a_trainer_side)
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -239,6 +242,14 @@ class RefitWorkerExtension:
                 "pass asyncrefit.vllm.engine_args()"
             )
         return engine
+
+    def asyncrefit_shutdown(self) -> None:
+        """Close this worker's asyncrefit channel (aborting an update session it left
+        open); the engine keeps serving. vLLM 0.32 has ``shutdown_weight_transfer_engine``
+        for this, 0.26 nothing: this one RPC serves every release."""
+        engine = self._asyncrefit_engine()
+        engine.shutdown()
+        engine._end_abandoned_reload()
 
     def asyncrefit_serve(self, request_id: int) -> None:
         """Serve request ``request_id`` from this worker's asyncrefit channel."""
