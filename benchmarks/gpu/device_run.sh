@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One step of the GPU runs on a lent device machine (see README.md): the bundle travels in
+# three carries of at most 64 MiB, each step back to back while the machine stays warm.
+#
+#   bash benchmarks/gpu/device_run.sh part      # carry .gpu-bundle/part-00
+#   bash benchmarks/gpu/device_run.sh install   # carry fa3.so.xz, deps, stubs, install.sh
+#   bash benchmarks/gpu/device_run.sh moe       # carry moe.so.xz
+#
+# Logs and results go to $OUT (the device tool's folder that comes back).
+set -uo pipefail
+step=${1:?usage: device_run.sh part|install|moe}
+out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/bundle
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+case "$step" in
+part)
+  cp .gpu-bundle/part-* /tmp/bundle/ && ls -la /tmp/bundle
+  exit ;;
+install)
+  cp -r .gpu-bundle/fa3.so.xz .gpu-bundle/deps .gpu-bundle/stubs .gpu-bundle/install.sh /tmp/bundle/
+  bash /tmp/bundle/install.sh /tmp/site || exit 1 ;;
+moe)
+  cp .gpu-bundle/moe.so.xz /tmp/bundle/
+  bash /tmp/bundle/install.sh /tmp/site --moe || exit 1 ;;
+esac
+export PYTHONPATH=$PWD/src:/tmp/site:/tmp/site-stubs
+python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$out/gpu.txt"
+if [ "$step" = install ]; then
+  timeout 540 python3 -m pytest -m gpu -p no:cacheprovider -x -v -s -k "not moe" \
+    tests/test_vllm_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|push|free GPU|passed|failed" | tail -40
+else
+  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -v -s -k moe \
+    tests/test_vllm_gpu.py 2>&1 | tee "$out/gpu_moe.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
+  timeout 380 python3 benchmarks/vllm_gpu_bench.py --repeats 5 --out "$out/vllm_gpu_bench.json" \
+    2>&1 | tee "$out/vllm_gpu_bench.log" | tail -30
+fi
