@@ -98,6 +98,7 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, seed: int) -> None:
     """One real optimizer step of a language-model loss on random tokens."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (4, 24), generator=gen)
+    ids = ids.to(next(model.parameters()).device)
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

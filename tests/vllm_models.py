@@ -105,14 +105,15 @@ def greedy(
 ) -> list[list[int]]:
     """The trainer's greedy continuation of every prompt."""
     out = []
+    device = next(model.parameters()).device
     for prompt in prompts:
-        ids = torch.tensor([list(prompt)])
+        ids = torch.tensor([list(prompt)], device=device)
         new: list[int] = []
         for _ in range(tokens):
             logits = model(input_ids=ids).logits[0, -1]
             token = int(logits.argmax())
             new.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
         out.append(new)
     return out
 
@@ -129,10 +130,12 @@ def greedy_gaps(
     while a stale weight puts its tokens far below the best.
     """
     gaps = []
+    device = next(model.parameters()).device
     for prompt, continuation in zip(prompts, continuations, strict=True):
-        ids = torch.tensor([[*prompt, *continuation]])
+        ids = torch.tensor([[*prompt, *continuation]], device=device)
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        chosen = logits.gather(1, torch.tensor(list(continuation))[:, None])[:, 0]
+        picked = torch.tensor(list(continuation), device=device)[:, None]
+        chosen = logits.gather(1, picked)[:, 0]
         gaps.append((logits.max(dim=1).values - chosen).tolist())
     return gaps
 
