@@ -35,7 +35,7 @@ import hmac
 import secrets
 import socket
 from functools import cache
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import anyio
 
@@ -64,8 +64,30 @@ from ._errors import worker_errors
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
+    from .._wire._messages import BucketAck
     from ..transport._base import Handle
-    from ._worker import RefitWorkerMixin
+
+
+class StreamedWorker(Protocol):
+    """What :func:`serve_stream` drives: the actor's refit methods and its stream epochs
+    (:class:`~asyncrefit.ray.RefitWorkerMixin` is one)."""
+
+    async def refit_begin(self, version: int) -> None: ...
+
+    async def refit_load(
+        self, version: int, bucket: int, handles: tuple[Handle, ...]
+    ) -> BucketAck: ...
+
+    async def refit_commit(self, version: int, buckets: int) -> None: ...
+
+    async def refit_abort(self, version: int) -> None: ...
+
+    def _refit_stream_started(self) -> int: ...
+
+    def _refit_stream_current(self, epoch: int) -> bool: ...
+
+    async def _refit_stream_lost(self, version: int, epoch: int) -> None: ...
+
 
 #: Bytes of the random token a stream's connection is authenticated with.
 TOKEN_BYTES = 16
@@ -300,7 +322,7 @@ async def _answer(step: Awaitable[object]) -> object:
     return Done() if value is None else value
 
 
-async def serve_stream(worker: RefitWorkerMixin, host: str, port: int, token: bytes) -> int:
+async def serve_stream(worker: StreamedWorker, host: str, port: int, token: bytes) -> int:
     """The actor's end of a stream: connect, then serve requests in order until it ends.
 
     Every request goes to ``worker``'s own ``refit_begin`` / ``refit_load`` /
