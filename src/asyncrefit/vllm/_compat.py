@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,11 @@ class Features:
 @functools.cache
 def features() -> Features:
     """The installed vLLM's :class:`Features` (read once per process)."""
-    import vllm
-    from vllm.v1.engine.async_llm import AsyncLLM
+    with warnings.catch_warnings():
+        # vLLM's import touches deprecated torch attributes; they are vLLM's to fix.
+        warnings.simplefilter("ignore")
+        import vllm
+        from vllm.v1.engine.async_llm import AsyncLLM
 
     finish = inspect.signature(AsyncLLM.finish_weight_update).parameters
     return Features(
