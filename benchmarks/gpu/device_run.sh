@@ -10,7 +10,8 @@
 set -uo pipefail
 step=${1:?usage: device_run.sh part|install|moe}
 out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/bundle
-export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# spawn: the tests and the benchmark initialise CUDA before vLLM starts its processes.
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 case "$step" in
 part)
@@ -26,10 +27,10 @@ esac
 export PYTHONPATH=$PWD/src:/tmp/site:/tmp/site-stubs
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$out/gpu.txt"
 if [ "$step" = install ]; then
-  timeout 540 python3 -m pytest -m gpu -p no:cacheprovider -x -v -s -k "not moe" \
+  timeout 540 python3 -m pytest -m gpu -p no:cacheprovider --timeout 240 -v -s -k "not moe" \
     tests/test_vllm_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|push|free GPU|passed|failed" | tail -40
 else
-  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -v -s -k moe \
+  timeout 200 python3 -m pytest -m gpu -p no:cacheprovider --timeout 180 -v -s -k moe \
     tests/test_vllm_gpu.py 2>&1 | tee "$out/gpu_moe.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
   timeout 380 python3 benchmarks/vllm_gpu_bench.py --repeats 5 --out "$out/vllm_gpu_bench.json" \
     2>&1 | tee "$out/vllm_gpu_bench.log" | tail -30
