@@ -136,7 +136,8 @@ def measure(
     procs = []
     segments: list[SharedMemory] = []
     slots: list[SharedMemory] = []
-    slot_bytes = args.bucket_mib << 20
+    # A slot holds at least the largest tensor (this probe does not split tensors).
+    slot_bytes = max(args.bucket_mib << 20, max(t.nbytes for t in ours))
     for _ in range(count):
         here, there = ctx.Pipe()
         proc = ctx.Process(target=consumer, args=(there, sizes, slot_bytes))
