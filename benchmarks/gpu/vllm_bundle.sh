@@ -57,7 +57,7 @@ for p in \
   "python-json-logger==4.2.0" "pyzmq==27.3.0" "referencing==0.37.0" "rpds-py==2026.9.1" \
   "setproctitle==1.3.8" "sniffio==1.3.1" "starlette==1.10.0" "tomlkit==0.15.3" \
   "truststore==0.10.5" "typing-inspection==0.4.5" "watchfiles==1.3.0" "xgrammar==0.2.9" \
-  "pytest-asyncio==1.3.0"; do
+  "pytest-asyncio==1.5.0"; do
   pip_dl "$out/deps" "$p"
 done
 cat > "$out/stubs/ray/__init__.py" <<'PY'

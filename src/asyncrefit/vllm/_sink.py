@@ -52,9 +52,9 @@ def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
     model_config = vllm_config.model_config
     loader = DefaultModelLoader(vllm_config.load_config)
     # The same file selection (index filtering included) as the load at start-up.
-    _, files, use_safetensors, _ = loader._prepare_weights(
-        model_config.model, None, model_config.revision, True, None
-    )
+    # vLLM 0.26 returns (folder, files, use_safetensors); 0.32 adds a fourth value.
+    prepared = loader._prepare_weights(model_config.model, None, model_config.revision, True, None)
+    files, use_safetensors = prepared[1], prepared[2]
     if not use_safetensors:
         raise AsyncRefitError(
             f"the checkpoint of {model_config.model!r} is not in safetensors format: "
