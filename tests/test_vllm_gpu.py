@@ -98,6 +98,10 @@ GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 #: kernels. Stale weights put tokens far lower: each test checks that the tokens before
 #: a push miss by more than this.
 NEAR_TIE = 0.25
+#: MoE in bf16: a near tie of the router's top-2 sends a token to another expert, which
+#: moves the logits more than rounding does: 0.389 seen on an H100 (vLLM 0.26), where the
+#: replaced weights' gap was 2.6-5.0.
+MOE_NEAR_TIE = 0.5
 GPU_KWARGS: dict[str, Any] = {**ENGINE_KWARGS, "dtype": "bfloat16", "gpu_memory_utilization": 0.2}
 MIB = 1 << 20
 #: Two slots of 128 KiB: the tiny model (~0.9 MiB in bf16) goes in several buckets, so a
@@ -191,13 +195,15 @@ def worst_gap(model: Any, prompts: Sequence[Sequence[int]], got: list[list[int]]
     return max(max(g) for g in greedy_gaps(reference, prompts, got))
 
 
-def follows(model: Any, prompts: Sequence[Sequence[int]], got: list[list[int]]) -> bool:
-    """The engine's tokens are the trainer's greedy ones, or within a near tie."""
+def follows(
+    model: Any, prompts: Sequence[Sequence[int]], got: list[list[int]], near: float = NEAR_TIE
+) -> bool:
+    """The engine's tokens are the trainer's greedy ones, or within a near tie ``near``."""
     if got == greedy(model, prompts, TOKENS):
         return True
     gap = worst_gap(model, prompts, got)
     print(f"tokens differ from the trainer's greedy ones; worst teacher-forced gap {gap:.4f}")
-    return gap <= NEAR_TIE
+    return gap <= near
 
 
 def stale(model: Any, prompts: Sequence[Sequence[int]], got: list[list[int]]) -> bool:
@@ -404,9 +410,13 @@ async def test_moe_three_pushes_after_optimizer_steps_follow_the_trainer(
     ):
         for version in (1, 2, 3):
             before = await anyio.to_thread.run_sync(tokens, llm, prompts)
+            previous = copy.deepcopy(model)
             train_step(model, optimizer, seed=30 + version)
             assert stale(model, prompts, before)
             report = await refit.push(version)
             got = await anyio.to_thread.run_sync(tokens, llm, prompts)
-            assert follows(model, prompts, got), version
+            old = worst_gap(previous, prompts, got)
+            print(f"MoE push {version}: gap to the previous weights {old:.4f}")
+            assert follows(model, prompts, got, MOE_NEAR_TIE), version
+            assert old > 2 * MOE_NEAR_TIE  # far from the weights it replaced
             assert report.peak_budget_bytes <= budget
