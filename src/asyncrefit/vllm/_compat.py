@@ -16,6 +16,8 @@ attention layers in the       ``isinstance(Attention,      ``is_deferred_attenti
 reload                        MLAAttention)``              layer``
 releasing the trainer         nothing in vLLM: the         ``shutdown_weight_transfer_
 connection                    extension's own RPC          engine``
+the loader's                  ``(folder, files,            a fourth value
+``_prepare_weights``          use_safetensors)``
 ============================  ===========================  ==========================
 
 asyncrefit keeps its own version on every worker (``VLLMWorker.weight_version()``), so
@@ -75,6 +77,14 @@ def is_attention(layer: torch.nn.Module) -> bool:
 
         return isinstance(layer, (Attention, MLAAttention))
     return bool(is_deferred_attention_layer(layer))
+
+
+def checkpoint_files(loader: Any, model_config: Any) -> tuple[list[str], bool]:
+    """The checkpoint files vLLM's default ``loader`` loaded ``model_config`` from, and
+    whether they are safetensors: the same selection (index filtering included) as the
+    load at start-up."""
+    prepared = loader._prepare_weights(model_config.model, None, model_config.revision, True, None)
+    return list(prepared[1]), bool(prepared[2])  # 0.26: 3 values; 0.32: 4
 
 
 def not_a_trainer_side(iterator: Any, trainer_args: Any) -> None:

@@ -32,6 +32,7 @@ from .._wire._messages import Aborted
 from .._worker._layout import Declared
 from ..transport._base import Handle, Importer, dtype_name, torch_dtype
 from . import _reload
+from ._compat import checkpoint_files
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,7 @@ def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
     model_config = vllm_config.model_config
     loader = DefaultModelLoader(vllm_config.load_config)
     # The same file selection (index filtering included) as the load at start-up.
-    # vLLM 0.26 returns (folder, files, use_safetensors); 0.32 adds a fourth value.
-    prepared = loader._prepare_weights(model_config.model, None, model_config.revision, True, None)
-    files, use_safetensors = prepared[1], prepared[2]
+    files, use_safetensors = checkpoint_files(loader, model_config)
     if not use_safetensors:
         raise AsyncRefitError(
             f"the checkpoint of {model_config.model!r} is not in safetensors format: "
