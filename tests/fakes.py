@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import anyio
@@ -19,6 +19,7 @@ from asyncrefit import DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
 from asyncrefit._wire._messages import LoadBucket, encoded_size
 from asyncrefit.abc import BucketAck
 from asyncrefit.transport import Handle, Importer
+from asyncrefit.transport.destinations import Destinations
 
 
 @dataclass
@@ -164,3 +165,38 @@ class FakeWorker:
             torch.equal(self.parameters[n].view(torch.uint8), p.detach().view(torch.uint8))
             for n, p in module.named_parameters()
         )
+
+
+@dataclass
+class DirectFakeWorker(FakeWorker):
+    """A :class:`FakeWorker` whose parameters live in a shared-memory segment it exports
+    (a :class:`~asyncrefit.abc.DirectWorker`): the trainer writes them directly.
+
+    ``tamper`` rewrites the destinations it reports (a hostile or broken worker).
+    Call :meth:`close` at the end: it unlinks a segment that no trainer opened.
+    """
+
+    tamper: Callable[[Destinations], Destinations] | None = None
+
+    def __post_init__(self) -> None:
+        self.receiver = ParameterReceiver(self.parameters, self.device, shared=True)
+        self.reading = threading.Event()
+        self.reading.set()
+
+    async def destinations(self) -> Destinations | None:
+        await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("destinations", 0))
+        found = self.receiver.destinations()
+        if found is not None and self.tamper is not None:
+            return self.tamper(found)
+        return found
+
+    async def begin_direct(self, version: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("begin_direct", version))
+        self.receiver.begin_direct(version)
+
+    def close(self) -> None:
+        self.receiver.close()

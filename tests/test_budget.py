@@ -199,10 +199,17 @@ async def test_negative_request_raises_value_error() -> None:
     assert stats(budget) == (10, 0, 0, 0)
 
 
-@pytest.mark.parametrize("capacity", [0, -1])
-def test_non_positive_capacity_raises(capacity: int) -> None:
+def test_negative_capacity_raises() -> None:
     with pytest.raises(ValueError, match="capacity"):
-        ByteBudget(capacity)
+        ByteBudget(-1)
+
+
+async def test_zero_capacity_grants_only_nothing() -> None:
+    # Nothing staged (every worker written directly): the budget holds no bytes.
+    budget = ByteBudget(0)
+    await budget.acquire(0)
+    with pytest.raises(CapacityExceededError):
+        await budget.acquire(1)
 
 
 async def test_over_release_raises_runtime_error() -> None:

@@ -13,6 +13,7 @@ from .transport._base import Handle
 
 if TYPE_CHECKING:
     from ._core._plan import Bucket, Plan
+    from .transport.destinations import Destinations
 
 
 @runtime_checkable
@@ -48,6 +49,25 @@ class Worker(Protocol):
     async def weight_version(self) -> int | None: ...
 
     async def release_handles(self) -> None: ...
+
+
+@runtime_checkable
+class DirectWorker(Worker, Protocol):
+    """A worker whose parameters a trainer on its node may write directly.
+
+    ``destinations`` describes the memory the worker exported its parameters in
+    (``None``: it exports none now, and is sent buckets as any worker). The
+    coordinator asks once, when it plans, and has a source that can write there
+    (:class:`WritingSource`) open it. A push then costs such a worker two calls:
+    ``begin_direct(version)``, after which the trainer may write its parameters at any
+    time (it holds no complete version from then on, and serves nothing from them),
+    and ``commit_update`` (with the plan's bucket count) once every byte is written,
+    or ``abort_update``. No bucket is loaded.
+    """
+
+    async def destinations(self) -> Destinations | None: ...
+
+    async def begin_direct(self, version: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,3 +173,25 @@ class OrderedSource(TrainerSource, Protocol):
     """
 
     def order_after(self, slot: int, tokens: Sequence[bytes]) -> None: ...
+
+
+@runtime_checkable
+class WritingSource(TrainerSource, Protocol):
+    """A source that writes buckets straight into workers' exported parameters.
+
+    ``attach(worker, destinations, plan)`` opens a :class:`DirectWorker`'s
+    destinations for ``plan`` and returns whether this source can write there (the
+    worker then gets no staged buckets from it); it raises for destinations that do
+    not match the plan. ``write(bucket, workers)`` writes ``bucket``'s tensors into
+    each attached worker's places, complete on return except on a device, where
+    ``flush()`` waits for every write issued; ``detach(worker)`` closes what
+    ``attach`` opened (``aclose`` closes them all).
+    """
+
+    async def attach(self, worker: str, destinations: Destinations, plan: Plan) -> bool: ...
+
+    async def write(self, bucket: Bucket, workers: Sequence[str]) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    async def detach(self, worker: str) -> None: ...

@@ -10,21 +10,28 @@ the plan a worker is handed). The bundled backends (``asyncrefit.local``,
 ``asyncrefit.ray``, ``asyncrefit.vllm``, ``asyncrefit.trainer``) implement them too.
 """
 
+from ._protocols import DirectWorker as DirectWorker
 from ._protocols import OrderedSource as OrderedSource
 from ._protocols import PushEndingSource as PushEndingSource
 from ._protocols import SourceInfo as SourceInfo
 from ._protocols import TrainerSource as TrainerSource
 from ._protocols import TransmittingSource as TransmittingSource
 from ._protocols import Worker as Worker
+from ._protocols import WritingSource as WritingSource
 from ._public import fix_modules as _fix_modules
 from ._wire._messages import BucketAck as BucketAck
 from .transport._base import Exporter as Exporter
 from .transport._base import Handle as Handle
 from .transport._base import Importer as Importer
 from .transport._base import OrderingExporter as OrderingExporter
+from .transport.destinations import DestinationEntry as DestinationEntry
+from .transport.destinations import Destinations as Destinations
 
 __all__ = (
     "BucketAck",
+    "DestinationEntry",
+    "Destinations",
+    "DirectWorker",
     "Exporter",
     "Handle",
     "Importer",
@@ -35,6 +42,7 @@ __all__ = (
     "TrainerSource",
     "TransmittingSource",
     "Worker",
+    "WritingSource",
 )
 
 _fix_modules(globals(), __all__)

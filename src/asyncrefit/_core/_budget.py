@@ -50,8 +50,8 @@ class ByteBudget:
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+        if capacity < 0:  # zero: nothing is staged (every worker is written directly)
+            raise ValueError(f"capacity must not be negative, got {capacity}")
         self._capacity = capacity
         self._in_use = 0
         self._peak = 0

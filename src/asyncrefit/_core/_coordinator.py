@@ -30,7 +30,7 @@ from .._exceptions import (
     PlanError,
     one_error,
 )
-from .._protocols import SourceInfo, TrainerSource, Worker
+from .._protocols import DirectWorker, SourceInfo, TrainerSource, Worker, WritingSource
 from .._wire._messages import LoadSizes
 from ..events import EventHub
 from ._adapters import adapt
@@ -38,7 +38,7 @@ from ._budget import BudgetStatistics, ByteBudget
 from ._discovery import as_sources, as_workers, describe_sources, discover
 from ._ledger import Ledger, Member
 from ._plan import DEFAULT_ALIGNMENT, Plan
-from ._push import Push, PushOptions, confirm_abort, end_push
+from ._push import Push, PushOptions, call_worker, confirm_abort, end_push
 from ._recorder import EventSource, PushRecorder
 from ._topology import Topology, plan_topology
 
@@ -77,6 +77,15 @@ class RefitCoordinator(EventSource):
     bucket of a push is in flight at once (each is still freed for reuse only after
     every worker acknowledged it).
 
+    ``direct_write=True`` (the default) has a source that can (a
+    :class:`~asyncrefit.abc.WritingSource`, such as :class:`LocalTrainer`) write the
+    workers that export their parameters (:class:`~asyncrefit.abc.DirectWorker`, such
+    as local workers started with ``shared_parameters=True``) directly: one copy per
+    byte into the worker's memory, no staging slot, and a begin and a commit per
+    worker per push instead of a request per bucket. Other workers of the same push
+    are sent staged buckets as usual. ``verify=True`` and ``broadcast_all_handles``
+    use the staged path for every worker.
+
     Entering the context discovers every worker's device (awaiting its
     ``report_device_id_async``, which runs on that worker's own loop), plans the
     buckets, validates every worker's parameters against the trainer's, and allocates
@@ -110,6 +119,7 @@ class RefitCoordinator(EventSource):
         cleanup_timeout: float = 10.0,
         broadcast_all_handles: bool = False,
         verify: bool = False,
+        direct_write: bool = True,
     ) -> None:
         if budget_bytes <= 0:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -132,6 +142,7 @@ class RefitCoordinator(EventSource):
             verify=verify,
         )
         self._load_sizes = LoadSizes()  # handle bytes of the load requests, per push
+        self._direct_write = direct_write and not verify and not broadcast_all_handles
 
         # The last topology that was validated and prepared; ``_stale`` once a
         # prepare began that did not finish (the sources' buffers may not match it).
@@ -277,6 +288,7 @@ class RefitCoordinator(EventSource):
         self._ledger.check_replan()
         # From here on the sources' buffers may no longer match the old topology.
         self._stale = True
+        topology = await self._attach_direct(topology, topology.routes)
         with one_error():
             async with anyio.create_task_group() as tg:
                 for i in topology.used_sources:
@@ -288,10 +300,45 @@ class RefitCoordinator(EventSource):
 
     async def _prepare_source(self, i: int, topology: Topology) -> None:
         source = self._sources[i]
+        # A source that only writes directly stages nothing: no slot.
+        slots = topology.slots if i in topology.exporting_sources else 0
         if self._options.verify:
-            await source.prepare(topology.plan, topology.slots, topology.slot_bytes, checksum=True)
+            await source.prepare(topology.plan, slots, topology.slot_bytes, checksum=True)
         else:
-            await source.prepare(topology.plan, topology.slots, topology.slot_bytes)
+            await source.prepare(topology.plan, slots, topology.slot_bytes)
+
+    async def _attach_direct(self, topology: Topology, members: Iterable[Member]) -> Topology:
+        """Have each of ``members`` written directly where its worker exports its
+        parameters and its source can write there; the others stay staged."""
+        if not self._direct_write:
+            return topology
+        direct = set(topology.direct)
+
+        async def one(member: Member) -> None:
+            source = self._sources[topology.routes[member]]
+            worker = member.worker
+            if not isinstance(worker, DirectWorker) or not isinstance(source, WritingSource):
+                return
+            found = await call_worker(
+                member,
+                "destinations",
+                worker.destinations,
+                within=self._timeout,
+                died=self._settled,
+            )
+            if found is None:
+                direct.discard(member)
+                await source.detach(member.name)
+            elif await source.attach(member.name, found, topology.plan):
+                direct.add(member)
+            else:
+                direct.discard(member)
+
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                for member in members:
+                    tg.start_soon(one, member)
+        return topology.with_direct(direct)
 
     # --- membership -------------------------------------------------------------------
 
@@ -308,8 +355,12 @@ class RefitCoordinator(EventSource):
             (member,) = await discover([worker], self._timeout)
             topology = self._topology
             assert topology is not None
-            joined = topology.with_member(member)
-            if not self._stale and set(joined.used_sources) - set(topology.used_sources):
+            joined = await self._attach_direct(topology.with_member(member), [member])
+            if member not in joined.direct and not joined.slots:
+                self._stale = True  # the first staged worker: the next push re-plans slots
+            elif not self._stale and set(joined.exporting_sources) - set(
+                topology.exporting_sources
+            ):
                 await self._prepare_source(joined.routes[member], joined)
             self._topology = joined
             self._ledger.admit(member)
@@ -331,6 +382,11 @@ class RefitCoordinator(EventSource):
             self._check_open()
             removal = self._ledger.remove(name)
             if self._topology is not None:
+                if removal.member in self._topology.direct:
+                    source = self._sources[self._topology.routes[removal.member]]
+                    assert isinstance(source, WritingSource)
+                    with anyio.CancelScope(shield=True):
+                        await source.detach(name)
                 self._topology = self._topology.without(removal.member)
             if removal.unsettled:
                 await self._settle(self._cleanup_timeout)
@@ -419,7 +475,7 @@ class RefitCoordinator(EventSource):
             await self._replan(infos, self._ledger.members.values())
         if self._ledger.unsettled():
             await self._settle(_SETTLE_BEFORE_PUSH)
-        if not self._ledger.has_free_slot():
+        if self._topology is not None and self._topology.slots and not self._ledger.has_free_slot():
             raise AsyncRefitError(
                 "no staging slot is free: workers that never confirmed an abort may "
                 f"still read them ({self._ledger.quarantined()}); kill those workers "

@@ -13,6 +13,11 @@ still read the slot (the ledger says when). Every task runs in a task group of t
 push (structured concurrency); the exports of a sharded trainer's bucket, the abort
 and the sources' end of push are shielded from cancellation and bounded in time.
 
+Workers written directly (``topology.direct``) are told to begin, then their source
+writes every bucket into them in plan order (no slot, no request per bucket), then
+they commit: two calls per worker per push. A failure aborts them like the others;
+a worker that died meanwhile is found at its commit (or abort).
+
 Error handling: worker calls are bounded by the timeout and their errors made typed
 (:func:`call_worker`). A failure or cancellation of the transfer tells every touched,
 uncommitted worker to abort (:meth:`Push.abort`), then raises :class:`PushError`
@@ -41,7 +46,13 @@ from .._exceptions import (
     WorkerTimeoutError,
     primary_error,
 )
-from .._protocols import OrderedSource, PushEndingSource, TransmittingSource
+from .._protocols import (
+    DirectWorker,
+    OrderedSource,
+    PushEndingSource,
+    TransmittingSource,
+    WritingSource,
+)
 from .._wire._errors import WORKER, map_exceptions, raised_errors
 
 if TYPE_CHECKING:
@@ -166,6 +177,7 @@ class Push:
         self._load_sizes = load_sizes
         self._recorder = recorder
         self._closed = closed
+        self._staged: list[Member] = []  # the members sent staged buckets
         self._touched: set[Member] = set()  # told to begin: an abort must reach them
         self._committed: set[Member] = set()
         # slot -> the tokens of the workers' acks for the bucket last in it (ordered handles)
@@ -181,6 +193,7 @@ class Push:
     async def run(self) -> RefitReport:
         """Begin, send every bucket, commit; on failure abort and raise :class:`PushError`."""
         self.members = self._ledger.begin(self.version)
+        self._staged = [m for m in self.members if m not in self.topology.direct]
         self._recorder.planned(m.name for m in self.members)
         self._load_sizes.next_push()
         try:
@@ -211,7 +224,10 @@ class Push:
         exported.set()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._begin_all)
-            for bucket in self.topology.plan.buckets:
+            tg.start_soon(self._write_direct)
+            # Staged buckets only where some worker is staged (or a rank gathers).
+            staged = bool(self.topology.exporting_sources)
+            for bucket in self.topology.plan.buckets if staged else ():
                 with self._recorder.waiting_for_budget():
                     await self._budget.acquire(self.topology.slot_bytes)
                 slot = self._ledger.take_slot()
@@ -229,13 +245,39 @@ class Push:
             async with anyio.create_task_group() as tg:
                 for member in self.members:
                     self._touched.add(member)
-                    tg.start_soon(
-                        self._call,
-                        member,
-                        "begin_update",
-                        lambda w=member.worker: w.begin_update(version),
-                    )
+                    worker = member.worker
+                    if member in self.topology.direct:
+                        assert isinstance(worker, DirectWorker)
+                        begin = lambda w=worker: w.begin_direct(version)  # noqa: E731
+                        what = "begin_direct"
+                    else:
+                        begin = lambda w=worker: w.begin_update(version)  # noqa: E731
+                        what = "begin_update"
+                    tg.start_soon(self._call, member, what, begin)
         self._begun.set()
+
+    async def _write_direct(self) -> None:
+        """Have each source write every bucket into its direct members, in plan order,
+        once every worker began; then wait for the writes issued on a device."""
+        groups = self.topology.direct_groups()
+        if not groups:
+            return
+        sources = {i: self._sources[i] for i in groups}
+        names = {i: [m.name for m in ms] for i, ms in groups.items()}
+        count = sum(len(ms) for ms in groups.values())
+        await self._begun.wait()
+        for bucket in self.topology.plan.buckets:
+            record = self._recorder.bucket(bucket.index, -1, bucket.payload_bytes)
+            with record.packing():
+                async with anyio.create_task_group() as tg:
+                    for i, source in sources.items():
+                        assert isinstance(source, WritingSource)
+                        tg.start_soon(source.write, bucket, names[i])
+            record.written("direct", count)
+        async with anyio.create_task_group() as tg:
+            for source in sources.values():
+                assert isinstance(source, WritingSource)
+                tg.start_soon(source.flush)
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)
@@ -309,10 +351,10 @@ class Push:
         topology, timeout = self.topology, self._options.timeout
         if not topology.gathers:
             async with anyio.create_task_group() as tg:
-                for source in topology.used_sources:
+                for source in topology.exporting_sources:
                     tg.start_soon(export, source)
             return
-        pending = set(topology.used_sources)
+        pending = set(topology.exporting_sources)
         failed: list[Exception] = []
 
         async def one(source: int) -> None:
@@ -325,7 +367,7 @@ class Push:
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(timeout if timeout is not None else math.inf):
                 async with anyio.create_task_group() as tg:
-                    for source in topology.used_sources:
+                    for source in topology.exporting_sources:
                         tg.start_soon(one, source)
             died = [e for e in failed if isinstance(e, SourceDiedError)]
             if died:
@@ -347,7 +389,7 @@ class Push:
         every = tuple(handles[d] for d in sorted(handles))
         broadcast_all, timeout = self._options.broadcast_all, self._options.timeout
         async with anyio.create_task_group() as tg:
-            for source in self.topology.used_sources:
+            for source in self.topology.exporting_sources:
                 src = self._sources[source]
                 if isinstance(src, TransmittingSource):
                     tg.start_soon(src.transmit, bucket, record.slot)
@@ -356,7 +398,7 @@ class Push:
             deadline = math.inf if timeout is None else anyio.current_time() + timeout
             with anyio.CancelScope(deadline=deadline) as loads:
                 async with anyio.create_task_group() as load_group:
-                    for member in self.members:
+                    for member in self._staged:
                         handle = handles[member.device]
                         mine = every if broadcast_all else (handle,)
                         size = self._load_sizes.size(self.version, bucket.index, mine)
@@ -364,9 +406,9 @@ class Push:
                         self._ledger.reading(record.slot, member)
                         load_group.start_soon(self._load_one, member, mine, record)
             if loads.cancelled_caught:
-                late = [m for m in self.members if self._ledger.reads(record.slot, m)]
+                late = [m for m in self._staged if self._ledger.reads(record.slot, m)]
                 raise WorkerTimeoutError(
-                    late[0].name if late else self.members[0].name,
+                    late[0].name if late else self._staged[0].name,
                     f"load_bucket({bucket.index}) got no answer within {timeout} s",
                 )
 

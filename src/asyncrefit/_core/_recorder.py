@@ -278,6 +278,13 @@ class BucketRecorder:
         account.handle_bytes[worker] += handle_bytes
         account.transport_bytes[kind] = account.transport_bytes.get(kind, 0) + self.payload
 
+    def written(self, kind: str, workers: int) -> None:
+        """The bucket was written directly (transport ``kind``) into ``workers`` workers."""
+        account = self._push.account
+        account.transport_bytes[kind] = (
+            account.transport_bytes.get(kind, 0) + self.payload * workers
+        )
+
     def acked(self, worker: str, seconds: float) -> None:
         """``worker`` acknowledged the bucket, having copied it in ``seconds``."""
         push = self._push

@@ -36,6 +36,34 @@ class Topology:
     slots: int
     slot_bytes: int
     routes: Mapping[Member, int]  # the index of the source serving each member
+    #: The members their source writes directly (see :class:`~asyncrefit.abc.WritingSource`).
+    direct: frozenset[Member] = frozenset()
+
+    @property
+    def exporting_sources(self) -> tuple[int, ...]:
+        """The sources that export buckets in a push: those serving a staged member,
+        and every rank of a sharded trainer (none when every member is written directly)."""
+        used = {s for m, s in self.routes.items() if m not in self.direct}
+        used |= {i for i, info in enumerate(self.infos) if info.gathers}
+        return tuple(sorted(used))
+
+    def direct_groups(self) -> dict[int, tuple[Member, ...]]:
+        """The directly written members, by the index of the source that writes them."""
+        groups: dict[int, list[Member]] = {}
+        for member, source in self.routes.items():
+            if member in self.direct:
+                groups.setdefault(source, []).append(member)
+        return {s: tuple(ms) for s, ms in groups.items()}
+
+    def with_direct(self, members: Iterable[Member]) -> Topology:
+        """This topology with ``members`` written directly by their sources.
+
+        With no member staged (and no sharded trainer), no slot is needed.
+        """
+        direct = frozenset(members)
+        staged = any(m not in direct for m in self.routes)
+        gathers = any(info.gathers for info in self.infos)
+        return replace(self, direct=direct, slots=self.slots if staged or gathers else 0)
 
     @property
     def used_sources(self) -> tuple[int, ...]:
@@ -67,12 +95,12 @@ class Topology:
 
     def without(self, member: Member) -> Topology:
         routes = {m: s for m, s in self.routes.items() if m is not member}
-        return replace(self, routes=MappingProxyType(routes))
+        return replace(self, routes=MappingProxyType(routes), direct=self.direct - {member})
 
     def devices_to_export(self, source: int, *, every_device: bool) -> list[DeviceId]:
         """The devices ``source`` exports handles for: its members' (all, with
         ``every_device``, for the broadcast-all baseline)."""
-        mine = {m.device for m, s in self.routes.items() if s == source}
+        mine = {m.device for m, s in self.routes.items() if s == source and m not in self.direct}
         info = self.infos[source]
         if every_device and info.devices is not None:
             mine |= {DeviceId(node=info.node, device=d) for d in info.devices}

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeAlias
 from .._core._plan import ParamSpec
 from .._device import DeviceId
 from ..transport._base import Handle
+from ..transport.destinations import Destinations
 from ._pickling import FastPickle
 
 __all__ = (
@@ -35,6 +36,8 @@ __all__ = (
     "Forward",
     "ForwardReply",
     "GetSpecs",
+    "DestinationsReply",
+    "GetDestinations",
     "GetVersion",
     "Hello",
     "LoadBucket",
@@ -86,9 +89,14 @@ class GetSpecs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BeginUpdate:
-    """Start receiving ``version``: from now on the worker holds no complete version."""
+    """Start receiving ``version``: from now on the worker holds no complete version.
+
+    ``direct``: the trainer writes the version straight into the worker's exported
+    parameters (see :class:`GetDestinations`); no bucket is loaded.
+    """
 
     version: int
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,6 +125,11 @@ class AbortUpdate:
     """Give up ``version``; answered only after every view of a buffer is dropped."""
 
     version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GetDestinations:
+    """Ask for the worker's exported parameters (``None``: it exports none)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +167,7 @@ Request: TypeAlias = (
     | CommitUpdate
     | AbortUpdate
     | GetVersion
+    | GetDestinations
     | ReleaseHandles
     | Digest
     | Forward
@@ -192,6 +206,11 @@ class BucketAck(FastPickle):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Done:
     """A request without a result succeeded."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DestinationsReply:
+    destinations: Destinations | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,6 +261,7 @@ Reply: TypeAlias = (
     | BucketAck
     | Done
     | VersionReply
+    | DestinationsReply
     | DigestReply
     | ForwardReply
     | Aborted

@@ -30,8 +30,10 @@ from .._wire._messages import (
     BeginUpdate,
     BucketAck,
     CommitUpdate,
+    DestinationsReply,
     DeviceReply,
     Done,
+    GetDestinations,
     GetSpecs,
     GetVersion,
     LoadBucket,
@@ -42,6 +44,7 @@ from .._wire._messages import (
     VersionReply,
 )
 from ..transport._base import Handle, Importer, make_importer
+from ..transport.destinations import Destinations
 from ._layout import Declared, check_layout, reach
 from ._state import VersionState
 
@@ -178,6 +181,22 @@ class Endpoint(Generic[AbortReply]):
         self._valid_before, self._valid = self._valid, {}
         self._seen_before, self._seen = self._seen, {}
 
+    def destinations(self) -> Destinations | None:
+        """This worker's parameters as a trainer may write them (``None``: not exported)."""
+        return None
+
+    def begin_direct(self, version: int) -> None:
+        """Begin ``version`` written by the trainer into :meth:`destinations`.
+
+        Raises :class:`TransportError` if this worker exports none. From here on the
+        worker holds no complete version (the trainer may write at any time) until it
+        commits; it serves nothing from its parameters meanwhile.
+        """
+        if self.destinations() is None:
+            raise TransportError("this worker exports no destinations for direct writes")
+        self.sink.begin(version)
+        self.state.begin(version, direct=True)
+
     def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         """Validate the handle for this device, open it and have the sink write it.
 
@@ -245,9 +264,14 @@ class Endpoint(Generic[AbortReply]):
                     return DeviceReply(device=self.device)
                 case GetSpecs():
                     return SpecsReply(specs=self.specs())
-                case BeginUpdate(version=v):
+                case BeginUpdate(version=v, direct=False):
                     self.begin(v)
                     return Done()
+                case BeginUpdate(version=v, direct=True):
+                    self.begin_direct(v)
+                    return Done()
+                case GetDestinations():
+                    return DestinationsReply(destinations=self.destinations())
                 case LoadBucket(version=v, bucket=b, handles=h):
                     return self.load(v, b, h)
                 case CommitUpdate(version=v, buckets=n):

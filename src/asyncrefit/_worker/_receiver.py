@@ -18,6 +18,7 @@ from .._device import DeviceId
 from .._dtypes import dtype_name, torch_dtype
 from .._wire._messages import Done
 from ..transport._base import Handle, Importer
+from ..transport.destinations import Destinations, SharedParameters, share_parameters
 from ._endpoint import Endpoint
 from ._layout import Declared
 
@@ -162,6 +163,12 @@ class ParameterSink:
     def release(self) -> None:
         self._forget_views(older=False)
 
+    def parameters_device(self) -> torch.device:
+        """The device of the parameters (the CPU when there are none)."""
+        import torch
+
+        return next((t.device for t in self.parameters.values()), torch.device("cpu"))
+
     def digests(self) -> dict[str, str]:
         """:func:`tensor_digest` of every parameter, by name (the caller settles first)."""
         return {name: tensor_digest(t) for name, t in self.parameters.items()}
@@ -222,6 +229,11 @@ class ParameterReceiver(Endpoint[Done]):
     worker keeps its complete version. A handle with a ``checksum`` is verified after
     the copy: a mismatch raises :class:`~asyncrefit.IntegrityError` (the version stays
     incomplete).
+
+    ``shared=True`` moves the parameters into one region the worker exports (a
+    shared-memory segment on the CPU, a CUDA IPC allocation on a GPU; see
+    :mod:`asyncrefit.transport.destinations`), so that a trainer on this node writes
+    them directly: :meth:`destinations` describes it, :meth:`close` releases it.
     """
 
     def __init__(
@@ -231,11 +243,33 @@ class ParameterReceiver(Endpoint[Done]):
         *,
         importers: Mapping[str, Importer] | None = None,
         importer_factory: Callable[[str], Importer] | None = None,
+        shared: bool = False,
     ) -> None:
         self.parameter_sink = ParameterSink(parameters)
         super().__init__(
             self.parameter_sink, device, importers=importers, importer_factory=importer_factory
         )
+        self._shared: SharedParameters | None = None
+        if shared:
+            self._shared = share_parameters(self.parameter_sink.parameters, device)
+
+    def destinations(self) -> Destinations | None:
+        """The parameters' region (with ``shared=True``), for a trainer's direct writes."""
+        return self._shared.destinations if self._shared is not None else None
+
+    def begin_direct(self, version: int) -> None:
+        super().begin_direct(version)
+        if self._shared is not None and self._shared.destinations.kind == "cuda_ipc":
+            import torch
+
+            # No kernel of this process may still read the parameters once the
+            # trainer writes them.
+            torch.cuda.synchronize(self.parameter_sink.parameters_device())
+
+    def close(self) -> None:
+        super().close()
+        if self._shared is not None:
+            self._shared.close()
 
     def __repr__(self) -> str:
         return (

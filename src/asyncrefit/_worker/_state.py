@@ -11,14 +11,20 @@ class VersionState:
     A worker that has had even one bucket of a new version written into it holds no
     complete version until that version is committed: ``complete`` is then ``None``.
     Aborting before any byte was written keeps the previous complete version.
+
+    A *direct* version (``begin(version, direct=True)``) is written into the worker's
+    memory by the trainer, without a load per bucket: the worker counts as written
+    from its begin on (an abort leaves it without a complete version), and its
+    commit counts no buckets.
     """
 
-    __slots__ = ("complete", "dirty", "loaded", "pending")
+    __slots__ = ("complete", "direct", "dirty", "loaded", "pending")
 
     def __init__(self) -> None:
         self.complete: int | None = None
         self.pending: int | None = None
         self.dirty = False
+        self.direct = False
         self.loaded: set[int] = set()
 
     def __repr__(self) -> str:
@@ -27,10 +33,13 @@ class VersionState:
             f"loaded={len(self.loaded)}>"
         )
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, *, direct: bool = False) -> None:
         if self.pending is not None:
             self.abort(self.pending)
         self.pending, self.dirty, self.loaded = version, False, set()
+        self.direct = direct
+        if direct:  # the trainer may write from now on
+            self.dirty, self.complete = True, None
 
     def check_loading(self, version: int) -> None:
         if self.pending != version:
@@ -48,7 +57,7 @@ class VersionState:
     def check_commit(self, version: int, buckets: int) -> None:
         """Raise :class:`UpdateStateError` unless :meth:`commit` would succeed."""
         self.check_loading(version)
-        if len(self.loaded) != buckets:
+        if not self.direct and len(self.loaded) != buckets:
             raise UpdateStateError(
                 f"version {version} committed with {len(self.loaded)} of {buckets} buckets loaded"
             )
@@ -56,6 +65,7 @@ class VersionState:
     def commit(self, version: int, buckets: int) -> None:
         self.check_commit(version, buckets)
         self.complete, self.pending, self.dirty, self.loaded = version, None, False, set()
+        self.direct = False
 
     def written(self, version: int) -> bool:
         """Whether any byte of ``version`` was written and the version is not committed."""
@@ -67,3 +77,4 @@ class VersionState:
         if self.dirty:
             self.complete = None
         self.pending, self.dirty, self.loaded = None, False, set()
+        self.direct = False

@@ -31,12 +31,14 @@ from .._wire._messages import (
     BeginUpdate,
     BucketAck,
     CommitUpdate,
+    DestinationsReply,
     DeviceReply,
     Digest,
     DigestReply,
     Done,
     Forward,
     ForwardReply,
+    GetDestinations,
     GetSpecs,
     GetVersion,
     LoadBucket,
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..transport._base import Handle
+    from ..transport.destinations import Destinations
 
 R = TypeVar("R")
 
@@ -157,6 +160,13 @@ class LocalWorker:
     async def begin_update(self, version: int) -> None:
         await self._expect(BeginUpdate(version=version), Done)
 
+    async def destinations(self) -> Destinations | None:
+        """The worker's exported parameters (with ``shared_parameters=True``), or ``None``."""
+        return (await self._expect(GetDestinations(), DestinationsReply)).destinations
+
+    async def begin_direct(self, version: int) -> None:
+        await self._expect(BeginUpdate(version=version, direct=True), Done)
+
     async def load_bucket(
         self, version: int, bucket: int, handles: tuple[Handle, ...]
     ) -> BucketAck:
@@ -243,13 +253,14 @@ async def _start_worker(
     threads: int,
     faults: WorkerFaults,
     start_timeout: float,
+    shared: bool = False,
 ) -> LocalWorker:
     context = multiprocessing.get_context("spawn")
     _quiet_numpy_in_children()
     listener = UnixListener(path)
     process = context.Process(
         target=worker_main,
-        args=(path, factory, device, threads, faults),
+        args=(path, factory, device, threads, faults, shared),
         name=f"asyncrefit-{name}",
         daemon=True,
     )
@@ -291,6 +302,7 @@ async def spawn_local_workers(
     threads: int = 1,
     faults: dict[str, WorkerFaults] | None = None,
     start_timeout: float = 120.0,
+    shared_parameters: bool = False,
 ) -> AsyncIterator[list[LocalWorker]]:
     """Start ``count`` local worker processes, each building its module with ``factory``.
 
@@ -298,8 +310,15 @@ async def spawn_local_workers(
     not forked. Worker ``i`` is named ``names[i]`` (default ``"worker-i"``) and sits on
     ``devices[i]`` (default the virtual CPU device ``cpu:i``: one device each); give
     several workers one device to model many consumers of one device. Workers start
-    concurrently. (``faults`` is deprecated: fault injection is for the project's own
-    tests, in ``asyncrefit.local._faults``.)
+    concurrently.
+
+    ``shared_parameters=True``: each worker moves its parameters into one region it
+    allocates and exports (a ``/dev/shm`` segment on the CPU, a CUDA IPC allocation on
+    a GPU), so a trainer on this node writes them directly, with no staging copy and
+    two messages per worker per push (see :class:`~asyncrefit.abc.DirectWorker`).
+
+    (``faults`` is deprecated: fault injection is for the project's own tests, in
+    ``asyncrefit.local._faults``.)
 
     Resource handling: on exit every process is shut down and reaped, also when the
     body raised or was cancelled; if start-up fails, the workers already started are
@@ -320,6 +339,7 @@ async def spawn_local_workers(
         threads=threads,
         faults=faults,
         start_timeout=start_timeout,
+        shared_parameters=shared_parameters,
     ) as workers:
         yield workers
 
@@ -334,6 +354,7 @@ async def spawn_with_faults(
     threads: int = 1,
     faults: dict[str, WorkerFaults] | None = None,
     start_timeout: float = 120.0,
+    shared_parameters: bool = False,
 ) -> AsyncIterator[list[LocalWorker]]:
     """:func:`spawn_local_workers`, with ``faults`` (worker name to faults) injected."""
     if count < 1:
@@ -357,6 +378,7 @@ async def spawn_with_faults(
             threads,
             (faults or {}).get(worker_names[i], WorkerFaults()),
             start_timeout,
+            shared_parameters,
         )
 
     try:

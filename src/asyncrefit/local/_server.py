@@ -159,6 +159,7 @@ def worker_main(
     device: DeviceId,
     threads: int,
     faults: WorkerFaults,
+    shared: bool = False,
 ) -> None:
     """Entry point of a local worker process (spawned, so it starts clean)."""
     import torch
@@ -166,6 +167,6 @@ def worker_main(
     torch.set_num_threads(threads)
     module = factory()
     module.eval()
-    receiver = ParameterReceiver(dict(module.named_parameters()), device)
+    receiver = ParameterReceiver(dict(module.named_parameters()), device, shared=shared)
     server = WorkerServer(module, receiver, faults)
     anyio.run(server.serve, path, backend="asyncio", backend_options=backend_options())

@@ -66,6 +66,8 @@ class CollectiveTrainer(LocalTrainer):
     makes the next push re-form the group.
     """
 
+    _writes_direct = False  # its workers receive by broadcast
+
     def __init__(
         self,
         parameters: TensorsLike,

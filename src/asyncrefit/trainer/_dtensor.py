@@ -62,6 +62,7 @@ class DTensorSource(LocalTrainer):
     """
 
     _gathers = True
+    _writes_direct = False  # every rank gathers each bucket: staged only
 
     def __init__(
         self,

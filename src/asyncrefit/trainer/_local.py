@@ -26,6 +26,7 @@ from .._names import as_name_map, engine_named
 from .._protocols import SourceInfo
 from ..transport._base import Exporter, Handle, OrderingExporter
 from ._checkpoint import CheckpointLayout, is_transformers_model
+from ._direct import DirectWriter
 from ._slices import Slices, copy_plain, rows_of
 
 if TYPE_CHECKING:
@@ -424,7 +425,7 @@ def entry_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return buffer[entry.offset : entry.offset + entry.nbytes].view(torch_dtype(entry.dtype))
 
 
-class LocalTrainer(_InProcessSource, _SlotSource):
+class LocalTrainer(_InProcessSource, _SlotSource, DirectWriter):
     """A :class:`~asyncrefit.abc.TrainerSource` over tensors of this process.
 
     ``parameters`` is a ``torch.nn.Module`` (its ``named_parameters()``), a mapping of
@@ -450,6 +451,12 @@ class LocalTrainer(_InProcessSource, _SlotSource):
     checkpoint names. ``checkpoint_names=False`` pushes the in-memory names instead.
     A parameter larger than a bucket is packed in parts (rows) when every worker
     takes it so.
+
+    It is also a :class:`~asyncrefit.abc.WritingSource`: a worker that exports its
+    parameters (:class:`~asyncrefit.abc.DirectWorker`, e.g. local workers started with
+    ``shared_parameters=True``) on this node is written directly, each tensor copied
+    (and cast) once from the trainer's tensor into the worker's place, with no staging
+    slot; the coordinator picks that path where it can (``direct_write``).
 
     Resource handling: buffers are allocated by ``prepare`` and freed by ``aclose``
     (also on every error path of the coordinator that owns this source), off the event
@@ -483,6 +490,7 @@ class LocalTrainer(_InProcessSource, _SlotSource):
             checkpoint_names=checkpoint_names,
         )
         self._init_slots(exporter)
+        self._init_direct()
 
     def __repr__(self) -> str:
         return f"<LocalTrainer {self._name!r} node={self._node} exporter={self._exporter!r}>"
@@ -513,6 +521,10 @@ class LocalTrainer(_InProcessSource, _SlotSource):
             with self._packing(bucket.index, e):
                 self._copy_into(dst, tensor, e.name)
         return flat
+
+    def _close_slots(self) -> None:
+        super()._close_slots()
+        self._close_direct()
 
     def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
         """Write ``tensor``'s value into its place ``dst`` (cast to ``dst``'s dtype)."""

@@ -1,0 +1,217 @@
+"""Direct writes: a source of this process writes buckets into workers' own memory.
+
+:class:`DirectWriter` is what :class:`~asyncrefit.LocalTrainer` adds to be a
+:class:`~asyncrefit.abc.WritingSource`: it opens the destinations a
+:class:`~asyncrefit.abc.DirectWorker` exported
+(:func:`~asyncrefit.transport.destinations.open_destinations`), checks them against
+the plan, and writes each bucket's tensors straight into every attached worker's
+places, casting on the way, from the trainer's own tensors (or strided slices of
+them, for a checkpoint layout): one copy per byte, nothing staged.
+
+It runs in the source's packing thread, under its buffer lock (the
+:class:`~asyncrefit.trainer._local._SourceBase` machinery): a close waits for a write
+still running. On a GPU the copies are issued on the thread's current stream and
+:meth:`DirectWriter.flush` waits for them; on the CPU they are complete on return.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._exceptions import ClosedError, ParameterMismatchError
+from ..transport.destinations import OpenedDestinations, open_destinations
+from ._slices import Slices, rows_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._core._plan import Bucket, Plan, TensorEntry
+    from ..transport.destinations import Destinations
+
+logger = logging.getLogger(__name__)
+
+
+class DirectWriter:
+    """The writing half of a source of this process (a mixin of ``_SourceBase``)."""
+
+    #: Whether this kind of source writes directly at all (a subclass whose packing
+    #: takes part in collectives, or that transmits by one, says no).
+    _writes_direct = True
+
+    # Provided by the source this is mixed into.
+    _name: str
+    _node: str
+    _devices: frozenset[str] | None
+    _limiter: anyio.CapacityLimiter
+    _buffer_lock: Any
+
+    def _init_direct(self) -> None:
+        self._attached: dict[str, OpenedDestinations] = {}
+        # (bucket index, workers) -> (every destination, its entry), in write order.
+        self._targets: dict[tuple[int, tuple[str, ...]], list[tuple[torch.Tensor, int]]] = {}
+
+    # Provided by the source this is mixed into.
+    def _read(self) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _tensor(
+        self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _packing(self, bucket: int, entry: TensorEntry) -> Any:
+        raise NotImplementedError
+
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
+        raise NotImplementedError
+
+    # --- attaching ---------------------------------------------------------------------
+
+    async def attach(self, worker: str, destinations: Destinations, plan: Plan) -> bool:
+        """Open ``worker``'s destinations for ``plan``: whether this source writes there.
+
+        ``False`` (the worker is then sent staged buckets) for destinations on another
+        node or on a device this source does not serve; :class:`TransportError` if
+        they cannot be opened, :class:`ParameterMismatchError` if a planned parameter
+        has no place there of its shape and dtype.
+        """
+        where = destinations.device
+        if (
+            not self._writes_direct
+            or where.node != self._node
+            or (self._devices is not None and where.device not in self._devices)
+        ):
+            return False
+        if destinations.kind == "cuda_ipc":
+            import torch
+
+            if not torch.cuda.is_available():
+                return False
+        known = self._attached.get(worker)
+        if known is None or known.destinations != destinations:
+            opened = await anyio.to_thread.run_sync(
+                open_destinations, destinations, limiter=self._limiter
+            )
+            _check_places(worker, opened, plan)
+            with self._buffer_lock:
+                self._attached[worker] = opened
+                self._targets.clear()
+        else:
+            _check_places(worker, known, plan)
+        return True
+
+    async def detach(self, worker: str) -> None:
+        """Close what :meth:`attach` opened for ``worker`` (nothing if it is not attached)."""
+        await anyio.to_thread.run_sync(self._detach, worker, limiter=self._limiter)
+
+    def _detach(self, worker: str) -> None:
+        with self._buffer_lock:
+            opened = self._attached.pop(worker, None)
+            self._targets.clear()
+        if opened is not None:
+            opened.close()
+
+    def _close_direct(self) -> None:
+        """Close every worker's destinations (under the buffer lock, from a close)."""
+        for opened in self._attached.values():
+            opened.close()
+        self._attached.clear()
+        self._targets.clear()
+
+    # --- writing -----------------------------------------------------------------------
+
+    async def write(self, bucket: Bucket, workers: Sequence[str]) -> None:
+        """Write ``bucket``'s tensors into each of ``workers``' places (attached first).
+
+        Complete on return on the CPU; on a GPU, issued (see :meth:`flush`). A tensor
+        that cannot be written raises :class:`~asyncrefit.PackError` naming it.
+        """
+        await anyio.to_thread.run_sync(self._write, bucket, tuple(workers), limiter=self._limiter)
+
+    async def flush(self) -> None:
+        """Wait for every write issued on a GPU (nothing to do on the CPU)."""
+        devices = {o.device for o in self._attached.values() if o.device.type == "cuda"}
+        if devices:
+            await anyio.to_thread.run_sync(_synchronize, devices, limiter=self._limiter)
+
+    def _write(self, bucket: Bucket, workers: tuple[str, ...]) -> None:
+        import torch
+
+        with self._buffer_lock:
+            targets = self._targets.get((bucket.index, workers))
+            if targets is None:
+                targets = self._targets[(bucket.index, workers)] = self._places(bucket, workers)
+            tensors = self._read()
+            sources: list[torch.Tensor | Slices] = []
+            for e in bucket.entries:
+                with self._packing(bucket.index, e):
+                    sources.append(rows_of(self._tensor(tensors, bucket.index, e), e.part))
+            with torch.no_grad():
+                plain = [sources[i] for _, i in targets]
+                if all(isinstance(t, torch.Tensor) for t in plain) and _one_call(targets):
+                    try:
+                        torch._foreach_copy_([d for d, _ in targets], plain)  # type: ignore[arg-type]
+                        return
+                    except Exception:
+                        pass  # one by one below: the failure then names its parameter
+                for dst, i in targets:
+                    e = bucket.entries[i]
+                    with self._packing(bucket.index, e):
+                        self._copy_into(dst, sources[i], e.name)
+
+    def _places(self, bucket: Bucket, workers: tuple[str, ...]) -> list[tuple[torch.Tensor, int]]:
+        places: list[tuple[torch.Tensor, int]] = []
+        for worker in workers:
+            opened = self._attached.get(worker)
+            if opened is None:
+                raise ClosedError(
+                    f"trainer source {self._name!r} has no destinations of worker {worker!r}"
+                )
+            for i, e in enumerate(bucket.entries):
+                place = opened.views[e.name]
+                places.append((place if e.part is None else place[e.part[0] : e.part[1]], i))
+        return places
+
+
+#: A GPU bucket whose copies average at least this many bytes is written one copy per
+#: tensor (each then runs at memcpy's rate); below it, one ``_foreach_copy_``.
+_PER_TENSOR_BYTES = 1 << 20
+
+
+def _one_call(targets: list[tuple[torch.Tensor, int]]) -> bool:
+    if not targets:
+        return False
+    first = targets[0][0]
+    if first.device.type == "cpu":
+        return True
+    nbytes = sum(d.numel() * d.element_size() for d, _ in targets)
+    return nbytes < _PER_TENSOR_BYTES * len(targets)
+
+
+def _synchronize(devices: set[torch.device]) -> None:
+    import torch
+
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+def _check_places(worker: str, opened: OpenedDestinations, plan: Plan) -> None:
+    """Raise :class:`ParameterMismatchError` unless every planned parameter has its place."""
+    from .._dtypes import dtype_name
+
+    for spec in plan.params:
+        place = opened.views.get(spec.name)
+        if place is None:
+            raise ParameterMismatchError(worker, spec.name, "has no place in its destinations")
+        got = (tuple(place.shape), dtype_name(place.dtype))
+        if got != (tuple(spec.shape), spec.dtype):
+            raise ParameterMismatchError(
+                worker,
+                spec.name,
+                f"its destination is {got[1]}{list(got[0])}, the plan sends "
+                f"{spec.dtype}{list(spec.shape)}",
+            )

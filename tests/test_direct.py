@@ -1,0 +1,365 @@
+"""Direct writes: the trainer writes straight into the workers' exported parameters.
+
+Workers that export their parameters (local processes with ``shared_parameters=True``,
+in-process :class:`DirectFakeWorker`) get a begin and a commit per push and no bucket
+request; their source writes every bucket into their memory, nothing staged. The tests
+check the bytes (bitwise, casts, parts), the calls, a push that mixes direct and staged
+workers, and the failures: a worker killed or stopped mid-push, hostile destinations,
+cancellation at every scheduling point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from asyncrefit import (
+    LocalTrainer,
+    ParameterMismatchError,
+    PushError,
+    RefitCoordinator,
+    TransportError,
+    WorkerDiedError,
+    WorkerTimeoutError,
+    cpu_device,
+)
+from asyncrefit.abc import DirectWorker, WritingSource
+from asyncrefit.events import BucketPacked, PushEvent
+from asyncrefit.local import spawn_local_workers
+from asyncrefit.transport.destinations import Destinations, share_parameters
+
+from .fakes import DirectFakeWorker, FakeWorker
+from .helpers import assert_hold, child_pids, digests, no_loop_errors, own_segments, step
+from .models import make_mlp, make_mlp_bf16
+from .test_cancellation import cancel_at_every_point
+
+KIB = 1024
+
+
+@pytest.fixture(autouse=True)
+async def loop_errors_fail_the_test() -> AsyncIterator[None]:
+    async with no_loop_errors():
+        yield
+
+
+@contextmanager
+def direct_fakes(model: torch.nn.Module, count: int) -> Iterator[list[DirectFakeWorker]]:
+    """``count`` direct workers holding zeroed copies of ``model``'s parameters."""
+    workers = [
+        DirectFakeWorker(
+            name=f"w{i}",
+            device=cpu_device(i),
+            parameters={n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()},
+        )
+        for i in range(count)
+    ]
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_local_trainer_writes_and_local_workers_export() -> None:
+    assert isinstance(LocalTrainer({}), WritingSource)
+    model = make_mlp()
+    with direct_fakes(model, 1) as (worker,):
+        assert isinstance(worker, DirectWorker)
+
+
+# --- the bytes and the calls ---------------------------------------------------------
+
+
+async def test_direct_push_into_processes_is_bitwise_and_stages_nothing() -> None:
+    model = make_mlp()
+    async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
+            for version in (1, 2, 3):
+                step(model, version)
+                report = await refit.push(version)
+                await assert_hold(workers, model, version)
+                assert report.buckets > 1
+                assert report.slots == 0 and report.peak_budget_bytes == 0
+                assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+                assert set(report.handle_bytes_per_worker.values()) == {0}
+            assert refit.statistics().capacity == 0
+            x = torch.randn(4, 64)
+            with torch.no_grad():
+                assert torch.equal(await workers[0].forward(x), model(x))
+    assert own_segments() == []
+
+
+async def test_direct_push_costs_two_calls_per_worker_whatever_the_buckets() -> None:
+    model = make_mlp()
+    with direct_fakes(model, 3) as workers:
+        # 8 KiB buckets: the 64 KiB weights go in parts, written into rows of the places
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=8 * KIB) as refit:
+            assert refit.plan is not None and len(refit.plan.buckets) > 10
+            assert refit.plan.split
+            for version in (1, 2, 3):
+                step(model, version)
+                for w in workers:
+                    w.calls.clear()
+                await refit.push(version)
+                for w in workers:
+                    assert w.calls == [("begin_direct", version), ("commit", version)]
+                    assert w.equals(model)
+                    assert await w.weight_version() == version
+    assert own_segments() == []
+
+
+async def test_direct_writes_cast_to_the_workers_dtype() -> None:
+    model = make_mlp()  # float32 master weights
+    engine = make_mlp_bf16()
+    params = {n: torch.zeros_like(p.detach()) for n, p in engine.named_parameters()}
+    worker = DirectFakeWorker(name="bf16", device=cpu_device(0), parameters=params)
+    try:
+        async with RefitCoordinator(trainer=model, workers=[worker], budget_bytes=64 * KIB) as r:
+            step(model, 1)
+            report = await r.push(1)
+            assert report.bytes_per_transport == {"direct": report.bytes}
+            for name, p in model.named_parameters():
+                assert torch.equal(worker.parameters[name], p.detach().to(torch.bfloat16))
+    finally:
+        worker.close()
+
+
+async def test_one_push_mixes_direct_and_staged_workers() -> None:
+    model = make_mlp()
+    staged = FakeWorker.like("staged", cpu_device(1), model)
+    with direct_fakes(model, 1) as (direct,):
+        async with RefitCoordinator(
+            trainer=model, workers=[direct, staged], budget_bytes=64 * KIB
+        ) as refit:
+            for version in (1, 2):
+                step(model, version)
+                report = await refit.push(version)
+                assert direct.equals(model) and staged.equals(model)
+                assert report.bytes_per_transport == {"direct": report.bytes, "shm": report.bytes}
+                assert report.slots > 0
+            assert [c for c, _ in direct.calls].count("load") == 0
+            assert [c for c, _ in staged.calls].count("load") == 2 * report.buckets
+    assert own_segments() == []
+
+
+@pytest.mark.parametrize("option", ["verify", "direct_write_off"])
+async def test_verify_and_direct_write_off_stage_every_bucket(option: str) -> None:
+    model = make_mlp()
+    with direct_fakes(model, 2) as workers:
+        kw = {"verify": True} if option == "verify" else {"direct_write": False}
+        async with RefitCoordinator(
+            trainer=model, workers=workers, budget_bytes=64 * KIB, **kw
+        ) as refit:
+            step(model, 1)
+            report = await refit.push(1)
+            assert report.bytes_per_transport == {"shm": 2 * report.bytes}
+            assert all(w.equals(model) for w in workers)
+            assert all(("destinations", 0) not in w.calls for w in workers)
+
+
+async def test_a_worker_added_later_is_written_directly() -> None:
+    model = make_mlp()
+    with direct_fakes(model, 2) as (first, second):
+        async with RefitCoordinator(trainer=model, workers=[first], budget_bytes=64 * KIB) as r:
+            await r.push(1)
+            await r.add_worker(second)
+            step(model, 2)
+            report = await r.push(2)
+            assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+            assert first.equals(model) and second.equals(model)
+            await r.remove_worker("w0")
+            step(model, 3)
+            await r.push(3)
+            assert second.equals(model) and not first.equals(model)
+    assert own_segments() == []
+
+
+# --- failures ------------------------------------------------------------------------
+
+
+def at_bucket(index: int, action: Callable[[], object]) -> Callable[[PushEvent], None]:
+    """An event callback that runs ``action`` once bucket ``index`` was written."""
+
+    def callback(event: PushEvent) -> None:
+        if isinstance(event, BucketPacked) and event.bucket == index:
+            action()
+
+    return callback
+
+
+async def test_fake_worker_dead_before_its_commit_is_named_and_others_abort() -> None:
+    model = make_mlp()
+    with direct_fakes(model, 3) as workers:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=8 * KIB) as refit:
+            await refit.push(1)
+            step(model, 2)
+            refit.subscribe(at_bucket(3, lambda: setattr(workers[1], "dead", True)))
+            with pytest.raises(PushError) as info:
+                await refit.push(2)
+            assert isinstance(info.value.__cause__, WorkerDiedError)
+            assert info.value.failed == "w1"
+            assert "w1" in info.value.incomplete
+            # The others committed concurrently (then they hold version 2, bitwise), or
+            # were aborted: written from their begin on, they then hold no version.
+            for w in (workers[0], workers[2]):
+                held = await w.weight_version()
+                assert held == (None if w.name in info.value.incomplete else 2)
+                assert held is None or w.equals(model)
+            await refit.remove_worker("w1")
+            step(model, 3)
+            await refit.push(3)
+            assert workers[0].equals(model) and workers[2].equals(model)
+
+
+@pytest.mark.timeout(120)
+async def test_process_killed_mid_write_is_detected_and_named() -> None:
+    model = make_mlp()
+    async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        victim = workers[1]
+        assert victim.pid is not None
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=16 * KIB) as refit:
+            await refit.push(1)
+            step(model, 2)
+            pid = victim.pid
+            refit.subscribe(at_bucket(2, lambda: os.kill(pid, signal.SIGKILL)))
+            with pytest.raises(PushError) as info:
+                await refit.push(2)
+            assert isinstance(info.value.__cause__, WorkerDiedError)
+            assert info.value.failed == "worker-1"
+            held = await workers[0].weight_version()
+            assert held == (None if "worker-0" in info.value.incomplete else 2)
+            await refit.remove_worker("worker-1")
+            step(model, 3)
+            await refit.push(3)
+            await assert_hold(workers[:1], model, 3)
+    assert own_segments() == []
+    assert child_pids() == set()
+
+
+@pytest.mark.timeout(120)
+async def test_process_stopped_mid_write_times_out_and_is_named() -> None:
+    model = make_mlp()
+    async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        pid = workers[0].pid
+        assert pid is not None
+        async with RefitCoordinator(
+            trainer=model, workers=workers, budget_bytes=16 * KIB, timeout=2, cleanup_timeout=1
+        ) as refit:
+            await refit.push(1)
+            step(model, 2)
+            refit.subscribe(at_bucket(1, lambda: os.kill(pid, signal.SIGSTOP)))
+            try:
+                with pytest.raises(PushError) as info:
+                    await refit.push(2)
+                assert isinstance(info.value.__cause__, WorkerTimeoutError)
+                assert info.value.failed == "worker-0"
+            finally:
+                await workers[0].kill()
+            await refit.remove_worker("worker-0")
+            step(model, 3)
+            await refit.push(3)
+            await assert_hold(workers[1:], model, 3)
+    assert own_segments() == []
+
+
+def _moved(entry_index: int, offset: int) -> object:
+    def tamper(d: Destinations) -> Destinations:
+        entries = list(d.entries)
+        entries[entry_index] = dataclasses.replace(entries[entry_index], offset=offset)
+        return dataclasses.replace(d, entries=tuple(entries))
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    ("tamper", "error", "match"),
+    [
+        (_moved(0, 1 << 30), TransportError, "does not fit"),
+        (_moved(0, 3), TransportError, "does not fit"),  # misaligned for float32
+        (lambda d: dataclasses.replace(d, segment="../../etc/passwd"), TransportError, "segment"),
+        (lambda d: dataclasses.replace(d, kind="nvme"), TransportError, "kind"),
+        (
+            lambda d: dataclasses.replace(
+                d, entries=(dataclasses.replace(d.entries[0], shape=(1,)), *d.entries[1:])
+            ),
+            ParameterMismatchError,
+            "destination",
+        ),
+        (
+            lambda d: dataclasses.replace(d, entries=d.entries[1:]),
+            ParameterMismatchError,
+            "no place",
+        ),
+    ],
+)
+async def test_hostile_destinations_are_refused_before_any_byte_moves(
+    tamper: object, error: type[Exception], match: str
+) -> None:
+    model = make_mlp()
+    with direct_fakes(model, 2) as workers:
+        workers[1].tamper = tamper  # type: ignore[assignment]
+        before = digests(model)
+        with pytest.raises(error, match=match):
+            async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB):
+                pass
+        assert digests(model) == before
+        for w in workers:
+            assert await w.weight_version() is None
+            assert all(not torch.any(p) for p in w.parameters.values())  # nothing written
+    assert own_segments() == []
+
+
+def test_share_parameters_refuses_tensors_on_several_devices() -> None:
+    tensors = {"a": torch.zeros(4), "b": torch.zeros(4, device="meta")}
+    with pytest.raises(TransportError, match="several devices"):
+        share_parameters(tensors, cpu_device(0))
+    assert tensors["a"].untyped_storage().nbytes() == 16  # unchanged
+    assert own_segments() == []
+
+
+async def test_cancel_at_every_scheduling_point_direct() -> None:
+    model = make_mlp()
+    with direct_fakes(model, 3) as workers:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=16 * KIB) as refit:
+            await cancel_at_every_point(refit, workers, model, lambda: digests(model))  # type: ignore[arg-type]
+    assert own_segments() == []
+    assert len(asyncio.all_tasks()) >= 1
+
+
+# --- GPU -------------------------------------------------------------------------------
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run with -m gpu on a GPU machine)")
+async def test_direct_push_into_gpu_workers_is_bitwise_equal() -> None:
+    from asyncrefit._cuda import cuda_device
+
+    from .gpu_models import make_gpu_mixed
+
+    model = make_gpu_mixed()
+    dev = cuda_device(0)
+    async with spawn_local_workers(
+        make_gpu_mixed, 2, devices=[dev, dev], shared_parameters=True
+    ) as workers:
+        trainer = LocalTrainer(model, devices=[dev])
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=256 * 1024
+        ) as refit:
+            for version in (1, 2, 3):
+                step(model, version)
+                report = await refit.push(version)
+                await assert_hold(workers, model, version)
+                assert report.slots == 0
+                assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+    await anyio.lowlevel.checkpoint()
