@@ -285,7 +285,20 @@ def _moved(entry_index: int, offset: int) -> object:
     [
         (_moved(0, 1 << 30), TransportError, "does not fit"),
         (_moved(0, 3), TransportError, "does not fit"),  # misaligned for float32
-        (lambda d: dataclasses.replace(d, segment="../../etc/passwd"), TransportError, "segment"),
+        (
+            lambda d: dataclasses.replace(
+                d, regions=(dataclasses.replace(d.regions[0], segment="../../etc/passwd"),)
+            ),
+            TransportError,
+            "segment",
+        ),
+        (
+            lambda d: dataclasses.replace(
+                d, entries=(dataclasses.replace(d.entries[0], region=3), *d.entries[1:])
+            ),
+            TransportError,
+            "no region",
+        ),
         (lambda d: dataclasses.replace(d, kind="nvme"), TransportError, "kind"),
         (
             lambda d: dataclasses.replace(

@@ -134,7 +134,11 @@ class DirectWriter:
 
     async def flush(self) -> None:
         """Wait for every write issued on a GPU (nothing to do on the CPU)."""
-        devices = {o.device for o in self._attached.values() if o.device.type == "cuda"}
+        devices = {
+            o.device
+            for o in self._attached.values()
+            if o.device is not None and o.device.type == "cuda"
+        }
         if devices:
             await anyio.to_thread.run_sync(_synchronize, devices, limiter=self._limiter)
 

@@ -1,26 +1,27 @@
 """Destinations: a worker's parameters in memory it exports, for a trainer to write in.
 
-The direct-write path. A worker that keeps its parameters in memory it can share
-lays them out once in one region it allocates itself (a shared-memory segment under
-``/dev/shm`` on the CPU, one CUDA allocation shared by CUDA IPC on a GPU), re-points
-every parameter at its place there (:func:`share_parameters`), and describes the
-region once as a :class:`Destinations` value: the region's name or IPC handle, and
-each parameter's offset, shape and dtype. A trainer source on the same node opens it
-(:func:`open_destinations`) and writes each parameter straight into its place, one
-copy per byte, with no staging buffer and no message per bucket.
+The direct-write path. A worker exports the memory its parameters live in once
+(:func:`share_parameters`): on the CPU it moves them into one shared-memory segment
+under ``/dev/shm`` that it creates (each parameter re-pointed at its place); on a GPU
+it exports the storages of its own parameters by CUDA IPC, in place. It describes that
+memory once as a :class:`Destinations` value: its regions (the segment's name, or
+each storage's IPC handle) and each parameter's region, offset, shape and dtype. A
+trainer source on the same node opens it (:func:`open_destinations`) and writes each
+parameter straight into its place, one copy per byte, with no staging buffer and no
+message per bucket.
 
 Who may write when is the coordinator's protocol (see ``README.md``, "What happens in
-a push"): the trainer writes a worker's region only between that worker's
+a push"): the trainer writes a worker's memory only between that worker's
 ``begin_direct`` and its commit or abort, and the worker serves nothing from its
 parameters meanwhile.
 
-Lifetimes: the worker owns the region. A shared-memory segment is unlinked by the
+Lifetimes: the worker owns its memory. A shared-memory segment is unlinked by the
 first side that has mapped it (the trainer right after opening it, or the worker when
 it closes), so a killed process leaves no name under ``/dev/shm``: the memory goes
 with the last mapping. Its name has the library's form (the creating pid), so the
 sweep of :mod:`asyncrefit.transport.shm` removes one whose creator died before anyone
-opened it. A CUDA region is freed by the worker when it closes; the trainer's mapping
-is dropped by :meth:`OpenedDestinations.close`.
+opened it. GPU parameters stay the worker's; the trainer's mappings of them are
+dropped by :meth:`OpenedDestinations.close`.
 
 torch is imported lazily: importing this module never initializes CUDA.
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,10 +47,25 @@ ALIGNMENT = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Region:
+    """One piece of memory a worker exported: ``nbytes`` long.
+
+    On the CPU, the shared-memory segment ``segment``; on a GPU, the storage that
+    starts ``storage_offset`` bytes into the CUDA allocation ``ipc_handle`` names.
+    """
+
+    nbytes: int
+    segment: str = ""
+    ipc_handle: bytes = b""
+    storage_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DestinationEntry:
-    """Where one parameter lives in a region: ``offset`` bytes in, contiguous."""
+    """Where one parameter lives: ``offset`` bytes into region ``region``, contiguous."""
 
     name: str
+    region: int
     offset: int
     shape: tuple[int, ...]
     dtype: str
@@ -63,31 +79,36 @@ class DestinationEntry:
 class Destinations:
     """A worker's parameters, as a trainer on its node can open and write them.
 
-    ``kind`` is ``"shm"`` (``segment`` names a shared-memory segment) or
-    ``"cuda_ipc"`` (``ipc_handle`` names a CUDA allocation on the GPU ``device``
-    names by UUID; the region starts ``storage_offset`` bytes into it). ``nbytes`` is
-    the region's size; ``generation`` changes whenever the worker lays its
-    parameters out anew, so a trainer re-opens it then.
+    ``kind`` is ``"shm"`` (one region: a shared-memory segment the worker created,
+    its parameters moved into it) or ``"cuda_ipc"`` (the storages of the worker's own
+    GPU parameters, in place, on the GPU ``device`` names by UUID: one region per
+    storage). ``generation`` changes whenever the worker lays its parameters out
+    anew, so a trainer re-opens them then.
     """
 
     kind: Literal["shm", "cuda_ipc"]
     device: DeviceId
-    nbytes: int
+    regions: tuple[Region, ...]
     entries: tuple[DestinationEntry, ...]
     generation: int = 0
-    segment: str = ""
-    ipc_handle: bytes = b""
-    storage_offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every parameter together."""
+        return sum(e.nbytes for e in self.entries)
 
     def check(self) -> None:
-        """Raise :class:`TransportError` if an entry lies outside the region or is
-        misaligned for its dtype (a view there could not be made, or would read past)."""
+        """Raise :class:`TransportError` if an entry lies outside its region or is
+        misaligned for its dtype (a view there could not be made, or would reach past)."""
         for e in self.entries:
             size = torch_dtype(e.dtype).itemsize
-            if e.offset < 0 or e.offset % size or e.offset + e.nbytes > self.nbytes:
+            if not 0 <= e.region < len(self.regions):
+                raise TransportError(f"destination of {e.name!r} names no region ({e.region})")
+            region = self.regions[e.region].nbytes
+            if e.offset < 0 or e.offset % size or e.offset + e.nbytes > region:
                 raise TransportError(
                     f"destination of {e.name!r} ({e.dtype}{list(e.shape)} at byte {e.offset}) "
-                    f"does not fit a region of {self.nbytes} bytes"
+                    f"does not fit its region of {region} bytes"
                 )
 
 
@@ -97,138 +118,177 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[DestinationEntry,
     for name, t in tensors.items():
         entries.append(
             DestinationEntry(
-                name=name, offset=offset, shape=tuple(t.shape), dtype=dtype_name(t.dtype)
+                name=name, region=0, offset=offset, shape=tuple(t.shape), dtype=dtype_name(t.dtype)
             )
         )
         offset += -(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT
     return tuple(entries), max(1, offset)
 
 
-def views(region: torch.Tensor, entries: tuple[DestinationEntry, ...]) -> dict[str, torch.Tensor]:
-    """Each entry's place in the flat ``uint8`` ``region``, shaped and of its dtype."""
+def views(
+    regions: Sequence[torch.Tensor], entries: tuple[DestinationEntry, ...]
+) -> dict[str, torch.Tensor]:
+    """Each entry's place in its flat ``uint8`` region, shaped and of its dtype."""
     return {
-        e.name: region[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+        e.name: regions[e.region][e.offset : e.offset + e.nbytes]
+        .view(torch_dtype(e.dtype))
+        .view(e.shape)
         for e in entries
     }
 
 
 class SharedParameters:
-    """A worker's parameters moved into one region it exported (made by
+    """A worker's parameters exported for direct writes (made by
     :func:`share_parameters`): keep it for as long as the parameters live there.
 
     :meth:`close` unlinks a segment nobody unlinked yet and drops this side's
-    reference to the region; the parameters keep viewing it (the memory goes with
-    the last view). Idempotent.
+    reference to it; the parameters keep viewing it (the memory goes with the last
+    view). GPU parameters stay the worker's own. Idempotent.
     """
 
-    def __init__(self, destinations: Destinations, region: torch.Tensor, segment: Any) -> None:
+    def __init__(self, destinations: Destinations, segment: Any = None) -> None:
         self.destinations = destinations
-        self._region: torch.Tensor | None = region
         self._segment = segment
 
     def __repr__(self) -> str:
         d = self.destinations
-        return f"<SharedParameters {d.kind} {d.device} {len(d.entries)} tensors {d.nbytes} B>"
+        return (
+            f"<SharedParameters {d.kind} {d.device} {len(d.entries)} tensors "
+            f"in {len(d.regions)} regions>"
+        )
 
     def close(self) -> None:
         if self._segment is not None:
             _unlink(self._segment.name)
             self._segment.close()
             self._segment = None
-        self._region = None
 
 
 def share_parameters(
     parameters: Mapping[str, torch.Tensor], device: DeviceId, *, generation: int = 0
 ) -> SharedParameters:
-    """Move ``parameters`` into one region this process allocates and exports.
+    """Export ``parameters`` for a trainer on this node to write directly.
 
-    Each tensor's value is copied into its place and the tensor re-pointed there
-    (``tensor.data = place``): the module keeps its parameter objects, now viewing the
-    region. Every tensor must be on one device: the CPU (a shared-memory segment) or
-    one GPU (a CUDA allocation, shared by CUDA IPC; ``device`` then names it by UUID).
+    Every tensor must be on one device. On the CPU, they are moved into one
+    shared-memory segment this process creates: each value is copied into its place
+    and the tensor re-pointed there (``tensor.data = place``), so the module keeps its
+    parameter objects. On a GPU they stay where they are (nothing is copied or
+    allocated): each storage is exported by CUDA IPC, and ``device`` names the GPU
+    by UUID; each tensor must then be contiguous.
 
-    Raises :class:`TransportError` for tensors on several devices or on another kind
-    of device, or when the region cannot be allocated; the parameters are then
-    unchanged.
+    Raises :class:`TransportError` for tensors on several devices, on another kind of
+    device, or not contiguous on a GPU, or when the segment cannot be allocated; the
+    parameters are then unchanged.
     """
     import torch
 
     devices = {t.device for t in parameters.values()}
     if len(devices) > 1:
         raise TransportError(
-            f"parameters on several devices ({sorted(map(str, devices))}) cannot share one region"
+            f"parameters on several devices ({sorted(map(str, devices))}) cannot be shared"
         )
     where = next(iter(devices), torch.device("cpu"))
-    entries, nbytes = layout(parameters)
-    segment = None
-    if where.type == "cpu":
-        segment = _Segment.create(segment_name(secrets.token_hex(4), generation, 0), nbytes)
-        assert segment.tensor is not None
-        region = segment.tensor
-        exported: dict[str, Any] = {"kind": "shm", "segment": segment.name}
-    elif where.type == "cuda":
-        from .cuda_ipc import share_cuda_tensor
-
-        region = torch.empty(nbytes, dtype=torch.uint8, device=where)
-        ipc_handle, _storage_bytes, storage_offset = share_cuda_tensor(region)
-        exported = {"kind": "cuda_ipc", "ipc_handle": ipc_handle, "storage_offset": storage_offset}
-    else:
+    if where.type == "cuda":
+        return SharedParameters(_share_cuda(parameters, device, generation))
+    if where.type != "cpu":
         raise TransportError(f"parameters on {where} cannot be shared for direct writes")
-    places = views(region, entries)
+    entries, nbytes = layout(parameters)
+    segment = _Segment.create(segment_name(secrets.token_hex(4), generation, 0), nbytes)
+    assert segment.tensor is not None
+    places = views([segment.tensor], entries)
     with torch.no_grad():
         for name, t in parameters.items():
             places[name].copy_(t)
         for name, t in parameters.items():
             t.data = places[name]
-    destinations = Destinations(
-        device=device, nbytes=nbytes, entries=entries, generation=generation, **exported
+    region = Region(nbytes=nbytes, segment=segment.name)
+    shared = Destinations(
+        kind="shm", device=device, regions=(region,), entries=entries, generation=generation
     )
-    return SharedParameters(destinations, region, segment)
+    return SharedParameters(shared, segment)
+
+
+def _share_cuda(
+    parameters: Mapping[str, torch.Tensor], device: DeviceId, generation: int
+) -> Destinations:
+    from .cuda_ipc import share_cuda_tensor
+
+    regions: list[Region] = []
+    index: dict[int, int] = {}  # a storage's address -> its region
+    entries = []
+    for name, t in parameters.items():
+        if not t.is_contiguous():
+            raise TransportError(f"parameter {name!r} is not contiguous: it cannot be shared")
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in index:
+            ipc_handle, storage_bytes, storage_offset = share_cuda_tensor(t)
+            index[key] = len(regions)
+            regions.append(
+                Region(nbytes=storage_bytes, ipc_handle=ipc_handle, storage_offset=storage_offset)
+            )
+        entries.append(
+            DestinationEntry(
+                name=name,
+                region=index[key],
+                offset=int(t.storage_offset()) * t.element_size(),
+                shape=tuple(t.shape),
+                dtype=dtype_name(t.dtype),
+            )
+        )
+    return Destinations(
+        kind="cuda_ipc",
+        device=device,
+        regions=tuple(regions),
+        entries=tuple(entries),
+        generation=generation,
+    )
 
 
 class OpenedDestinations:
-    """A worker's region as the trainer mapped it: ``views`` by parameter name.
+    """A worker's regions as the trainer mapped them: ``views`` by parameter name.
 
-    :meth:`close` drops the views and the mapping (idempotent); the worker's
+    :meth:`close` drops the views and the mappings (idempotent); the worker's
     parameters are not affected.
     """
 
-    def __init__(self, destinations: Destinations, region: torch.Tensor) -> None:
+    def __init__(self, destinations: Destinations, regions: Sequence[torch.Tensor]) -> None:
         self.destinations = destinations
-        self.views: dict[str, torch.Tensor] = views(region, destinations.entries)
-        self.device = region.device
+        self.views: dict[str, torch.Tensor] = views(regions, destinations.entries)
+        self.device = regions[0].device if regions else None
 
     def close(self) -> None:
         self.views = {}
 
 
 def open_destinations(destinations: Destinations) -> OpenedDestinations:
-    """Map a worker's region in this process (the trainer's side of a direct write).
+    """Map a worker's regions in this process (the trainer's side of a direct write).
 
-    The entries are checked to lie inside the region first. A shared-memory segment
-    is unlinked right after it is mapped. Raises :class:`TransportError` when the
-    region cannot be opened here (another machine's segment, a GPU this process does
-    not see) or an entry does not fit.
+    The entries are checked to lie inside their regions first. A shared-memory segment
+    is unlinked right after it is mapped. Raises :class:`TransportError` when a region
+    cannot be opened here (another machine's segment, a GPU this process does not
+    see) or an entry does not fit.
     """
     destinations.check()
     if destinations.kind == "shm":
-        segment = _Segment.open(destinations.segment)
-        _unlink(segment.name)  # both sides mapped it: no name is left behind
-        region = segment.tensor
-        assert region is not None
-        if region.numel() < destinations.nbytes:
-            raise TransportError(
-                f"segment {destinations.segment!r} holds {region.numel()} bytes, "
-                f"not the {destinations.nbytes} its destinations say"
-            )
-        return OpenedDestinations(destinations, region[: destinations.nbytes])
+        regions = []
+        for region in destinations.regions:
+            segment = _Segment.open(region.segment)
+            _unlink(segment.name)  # both sides mapped it: no name is left behind
+            assert segment.tensor is not None
+            if segment.tensor.numel() < region.nbytes:
+                raise TransportError(
+                    f"segment {region.segment!r} holds {segment.tensor.numel()} bytes, "
+                    f"not the {region.nbytes} its destinations say"
+                )
+            regions.append(segment.tensor[: region.nbytes])
+        return OpenedDestinations(destinations, regions)
     if destinations.kind == "cuda_ipc":
         return OpenedDestinations(destinations, _open_cuda(destinations))
     raise TransportError(f"unknown kind of destinations {destinations.kind!r}")
 
 
-def _open_cuda(destinations: Destinations) -> torch.Tensor:
+def _open_cuda(destinations: Destinations) -> list[torch.Tensor]:
     import torch
     from torch.multiprocessing import reductions
 
@@ -237,26 +297,29 @@ def _open_cuda(destinations: Destinations) -> torch.Tensor:
 
     index = cuda_index(destinations.device.device)
     rebuild: Any = reductions.rebuild_cuda_tensor
-    try:
-        tensor: torch.Tensor = rebuild(
-            torch.Tensor,
-            torch.Size([destinations.nbytes]),
-            (1,),
-            0,
-            torch.UntypedStorage,
-            torch.uint8,
-            index,
-            destinations.ipc_handle,
-            destinations.nbytes,
-            destinations.storage_offset,
-            False,
-            _NO_REF_COUNTER,
-            0,
-            _NO_EVENT,
-            False,
-        )
-    except Exception as exc:
-        raise TransportError(
-            f"cannot open the CUDA destinations on {destinations.device}: {exc}"
-        ) from exc
-    return tensor
+    opened = []
+    for region in destinations.regions:
+        try:
+            tensor: torch.Tensor = rebuild(
+                torch.Tensor,
+                torch.Size([region.nbytes]),
+                (1,),
+                0,
+                torch.UntypedStorage,
+                torch.uint8,
+                index,
+                region.ipc_handle,
+                region.nbytes,
+                region.storage_offset,
+                False,
+                _NO_REF_COUNTER,
+                0,
+                _NO_EVENT,
+                False,
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"cannot open the CUDA destinations on {destinations.device}: {exc}"
+            ) from exc
+        opened.append(tensor)
+    return opened
