@@ -122,7 +122,7 @@ def limit_seconds(params: Sequence[torch.Tensor], consumers: int, repeats: int) 
 
     once()
     times = [once() for _ in range(repeats)]
-    del scratch
+    scratch.clear()
     if cuda:
         torch.cuda.empty_cache()
     return times
@@ -209,7 +209,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             result["consumers"] = n
             rows[f"{n}: {name}"] = result
-            print(f"   {name}: {statistics.median(result['seconds']) * 1e3:.1f} ms", file=sys.stderr)
+            ms = statistics.median(result["seconds"]) * 1e3
+            print(f"   {name}: {ms:.1f} ms", file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(gpu=cuda),
