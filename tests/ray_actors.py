@@ -77,12 +77,14 @@ class FakeEngine:
 class InferenceActor(RefitWorkerMixin):
     """An inference actor: a module, a fake async engine, and knobs for fault drills."""
 
-    def __init__(self, factory: Callable[[], torch.nn.Module], device: str) -> None:
+    def __init__(
+        self, factory: Callable[[], torch.nn.Module], device: str, shared: bool = False
+    ) -> None:
         self.log = WarningLog()
         torch.set_num_threads(1)
         self.model = factory()
         self.model.eval()
-        self.init_refit(self.model, device=device)
+        self.init_refit(self.model, device=device, shared_parameters=shared)
         self.engine = FakeEngine(device)
         self.node: str | None = None
         self.device_query = "engine"

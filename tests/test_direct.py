@@ -36,13 +36,19 @@ from asyncrefit.abc import DirectWorker, WritingSource
 from asyncrefit.events import BucketPacked, PushEvent
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.transport.destinations import Destinations, share_parameters
+from asyncrefit.transport.shm import list_segments
 
 from .fakes import DirectFakeWorker, FakeWorker
 from .helpers import assert_hold, child_pids, digests, no_loop_errors, own_segments, step
 from .models import make_mlp, make_mlp_bf16
-from .test_cancellation import cancel_at_every_point
+from .test_cancellation import cancel_at_every_point, check_clean, push_cancelled_after
 
 KIB = 1024
+
+
+def segments_of(pids: set[int | None]) -> list[str]:
+    """The segments under /dev/shm created by the processes ``pids`` (the workers')."""
+    return [s for s in list_segments() if any(s.startswith(f"asyncrefit-{p}-") for p in pids)]
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +88,7 @@ def test_local_trainer_writes_and_local_workers_export() -> None:
 async def test_direct_push_into_processes_is_bitwise_and_stages_nothing() -> None:
     model = make_mlp()
     async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        pids = {w.pid for w in workers}
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as refit:
             for version in (1, 2, 3):
                 step(model, version)
@@ -95,7 +102,7 @@ async def test_direct_push_into_processes_is_bitwise_and_stages_nothing() -> Non
             x = torch.randn(4, 64)
             with torch.no_grad():
                 assert torch.equal(await workers[0].forward(x), model(x))
-    assert own_segments() == []
+    assert own_segments() == [] and segments_of(pids) == []
 
 
 async def test_direct_push_costs_two_calls_per_worker_whatever_the_buckets() -> None:
@@ -224,6 +231,7 @@ async def test_fake_worker_dead_before_its_commit_is_named_and_others_abort() ->
 async def test_process_killed_mid_write_is_detected_and_named() -> None:
     model = make_mlp()
     async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        pids = {w.pid for w in workers}
         victim = workers[1]
         assert victim.pid is not None
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=16 * KIB) as refit:
@@ -241,7 +249,7 @@ async def test_process_killed_mid_write_is_detected_and_named() -> None:
             step(model, 3)
             await refit.push(3)
             await assert_hold(workers[:1], model, 3)
-    assert own_segments() == []
+    assert own_segments() == [] and segments_of(pids) == []
     assert child_pids() == set()
 
 
@@ -249,6 +257,7 @@ async def test_process_killed_mid_write_is_detected_and_named() -> None:
 async def test_process_stopped_mid_write_times_out_and_is_named() -> None:
     model = make_mlp()
     async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        pids = {w.pid for w in workers}
         pid = workers[0].pid
         assert pid is not None
         async with RefitCoordinator(
@@ -268,7 +277,7 @@ async def test_process_stopped_mid_write_times_out_and_is_named() -> None:
             step(model, 3)
             await refit.push(3)
             await assert_hold(workers[1:], model, 3)
-    assert own_segments() == []
+    assert own_segments() == [] and segments_of(pids) == []
 
 
 def _moved(entry_index: int, offset: int) -> object:
@@ -346,6 +355,39 @@ async def test_cancel_at_every_scheduling_point_direct() -> None:
             await cancel_at_every_point(refit, workers, model, lambda: digests(model))  # type: ignore[arg-type]
     assert own_segments() == []
     assert len(asyncio.all_tasks()) >= 1
+
+
+@pytest.mark.timeout(180)
+async def test_cancel_at_scheduling_points_with_processes_direct() -> None:
+    """Real processes written directly: a push cut off anywhere leaves nothing behind,
+    and every version a worker claims is one whose bytes it holds."""
+    model = make_mlp()
+    async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        pids = {w.pid for w in workers}
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=16 * KIB) as refit:
+            await refit.push(1)
+            tasks_before = len(asyncio.all_tasks())
+            version, k = 1, 0
+            history = {1: digests(model)}
+            while True:
+                version += 1
+                step(model, version)
+                history[version] = digests(model)
+                if await push_cancelled_after(refit, version, k):
+                    break
+                await check_clean(refit, tasks_before, set())
+                for w in workers:
+                    held = await w.weight_version()
+                    if held is not None:
+                        assert await w.parameter_digests() == history[held], (k, held)
+                version += 1
+                history[version] = history[version - 1]
+                await refit.push(version)
+                await assert_hold(workers, model, version)
+                k += 2
+            await assert_hold(workers, model, version)
+            assert k >= 6
+    assert own_segments() == [] and segments_of(pids) == []
 
 
 # --- GPU -------------------------------------------------------------------------------

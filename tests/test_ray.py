@@ -236,6 +236,40 @@ async def test_one_trainer_four_actors_two_devices_bitwise_and_versions(pool: Po
 
 
 @pytest.mark.slow
+async def test_actors_with_shared_parameters_are_written_directly(pool: Pool) -> None:
+    """Two actors export their parameters (``shared_parameters=True``): the trainer
+    actor writes every bucket into them, one actor call per bucket for both, while a
+    third actor of the same push is sent staged buckets."""
+    trainer = pool.trainers[0]
+    await trainer.configure.remote(None)
+    here = {"num_cpus": 0, "scheduling_strategy": on_node(pool.node)}
+    direct = [
+        ray.remote(InferenceActor).options(**here).remote(make_mlp, "cpu:0", True) for _ in range(2)
+    ]
+    try:
+        workers = await configure([*direct, pool.actors[0]], ["cpu:0", "cpu:1", "cpu:2"])
+        source = RayTrainerSource(trainer, name="trainer")
+        async with RefitCoordinator(
+            trainer=source, workers=workers, budget_bytes=16 * KIB
+        ) as refit:
+            for version in (1, 2, 3):
+                await trainer.step.remote(version)
+                report = await refit.push(version)
+                assert report.buckets > 2
+                await assert_hold(workers, trainer, version)
+                assert report.bytes_per_transport == {
+                    "direct": 2 * report.bytes,
+                    "shm": report.bytes,
+                }
+        details = await info(direct)
+        assert all(d["handle_devices"] == [] for d in details)  # never sent a bucket
+        assert all(d["warnings"] == [] for d in details)
+    finally:
+        for actor in direct:
+            ray.kill(actor)
+
+
+@pytest.mark.slow
 def test_an_actor_without_the_mixin_is_refused(pool: Pool) -> None:
     with pytest.raises(TypeError, match=r"must inherit asyncrefit\.ray\.RefitWorkerMixin"):
         RayWorker(pool.trainers[0])

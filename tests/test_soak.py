@@ -11,8 +11,9 @@ MIB = 2**20
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_hundred_pushes_leave_no_growth() -> None:
-    result = await run_soak(100, 2, warmup=10)
+@pytest.mark.parametrize("shared", [False, True], ids=["staged", "direct"])
+async def test_hundred_pushes_leave_no_growth(shared: bool) -> None:
+    result = await run_soak(100, 2, warmup=10, shared_parameters=shared)
     assert result["verified"]
     # Memory: noise of the allocator, not a per-push leak (0.5 MiB pushed each time).
     assert result["coordinator_rss"]["growth"] < 8 * MIB, result

@@ -24,13 +24,9 @@ from .transport._base import Exporter as Exporter
 from .transport._base import Handle as Handle
 from .transport._base import Importer as Importer
 from .transport._base import OrderingExporter as OrderingExporter
-from .transport.destinations import DestinationEntry as DestinationEntry
-from .transport.destinations import Destinations as Destinations
 
 __all__ = (
     "BucketAck",
-    "DestinationEntry",
-    "Destinations",
     "DirectWorker",
     "Exporter",
     "Handle",

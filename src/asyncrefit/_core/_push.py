@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
 
@@ -247,8 +247,9 @@ class Push:
                     self._touched.add(member)
                     worker = member.worker
                     if member in self.topology.direct:
-                        assert isinstance(worker, DirectWorker)
-                        begin = lambda w=worker: w.begin_direct(version)  # noqa: E731
+                        # checked when it was attached (no protocol check per push)
+                        direct = cast("DirectWorker", worker)
+                        begin = lambda w=direct: w.begin_direct(version)  # noqa: E731
                         what = "begin_direct"
                     else:
                         begin = lambda w=worker: w.begin_update(version)  # noqa: E731
@@ -262,7 +263,8 @@ class Push:
         groups = self.topology.direct_groups()
         if not groups:
             return
-        sources = {i: self._sources[i] for i in groups}
+        # Checked when their members were attached (no protocol check per bucket).
+        sources = {i: cast("WritingSource", self._sources[i]) for i in groups}
         names = {i: [m.name for m in ms] for i, ms in groups.items()}
         count = sum(len(ms) for ms in groups.values())
         await self._begun.wait()
@@ -271,12 +273,10 @@ class Push:
             with record.packing():
                 async with anyio.create_task_group() as tg:
                     for i, source in sources.items():
-                        assert isinstance(source, WritingSource)
                         tg.start_soon(source.write, bucket, names[i])
             record.written("direct", count)
         async with anyio.create_task_group() as tg:
             for source in sources.values():
-                assert isinstance(source, WritingSource)
                 tg.start_soon(source.flush)
 
     async def _commit(self, member: Member) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .._checksum import tensor_bytes, verify_checksum
@@ -254,8 +255,12 @@ class ParameterReceiver(Endpoint[Done]):
             self._shared = share_parameters(self.parameter_sink.parameters, device)
 
     def destinations(self) -> Destinations | None:
-        """The parameters' region (with ``shared=True``), for a trainer's direct writes."""
-        return self._shared.destinations if self._shared is not None else None
+        """The parameters' memory (with ``shared=True``), for a trainer's direct writes,
+        on this receiver's device (which its owner may rebind after construction)."""
+        if self._shared is None:
+            return None
+        found = self._shared.destinations
+        return found if found.device == self.device else replace(found, device=self.device)
 
     def begin_direct(self, version: int) -> None:
         super().begin_direct(version)

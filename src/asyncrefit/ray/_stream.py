@@ -74,6 +74,8 @@ class StreamedWorker(Protocol):
 
     async def refit_begin(self, version: int) -> None: ...
 
+    async def refit_begin_direct(self, version: int) -> None: ...
+
     async def refit_load(
         self, version: int, bucket: int, handles: tuple[Handle, ...]
     ) -> BucketAck: ...
@@ -262,8 +264,8 @@ class StreamCall:
                 self.name, f"{type(message).__name__} answered {type(reply).__name__}"
             )
 
-    async def begin(self, version: int) -> None:
-        await self._expect_done(BeginUpdate(version=version))
+    async def begin(self, version: int, *, direct: bool = False) -> None:
+        await self._expect_done(BeginUpdate(version=version, direct=direct))
 
     async def load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
         reply = await self.request(LoadBucket(version=version, bucket=bucket, handles=handles))
@@ -351,7 +353,7 @@ async def serve_stream(worker: StreamedWorker, host: str, port: int, token: byte
         nonlocal pending
         reply: object
         match message:
-            case BeginUpdate(version=v):
+            case BeginUpdate(version=v, direct=direct):
                 if not worker._refit_stream_current(epoch):
                     return ErrorReply(
                         type="AsyncRefitError",
@@ -359,7 +361,8 @@ async def serve_stream(worker: StreamedWorker, host: str, port: int, token: byte
                         "by a newer one",
                         kind="error",
                     )
-                reply = await _answer(worker.refit_begin(v))
+                begin = worker.refit_begin_direct(v) if direct else worker.refit_begin(v)
+                reply = await _answer(begin)
                 if not isinstance(reply, ErrorReply):
                     pending = v
             case LoadBucket(version=v, bucket=b, handles=h):

@@ -30,6 +30,7 @@ from ._worker import (
 if TYPE_CHECKING:
     from .._core._plan import Bucket, Plan
     from ..transport._base import Exporter
+    from ..transport.destinations import Destinations
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,10 @@ TRAINER_METHODS = (
     "refit_source_prepare",
     "refit_source_export",
     "refit_source_close",
+    "refit_source_attach",
+    "refit_source_write",
+    "refit_source_flush",
+    "refit_source_detach",
 )
 
 
@@ -220,6 +225,22 @@ class RefitTrainerMixin:
         async with self._refit_export_order().turn(bucket.index):
             return await source.export(bucket, slot, devices)
 
+    async def refit_source_attach(
+        self, worker: str, destinations: Destinations, plan: Plan
+    ) -> bool:
+        """Open ``worker``'s exported parameters: whether this source writes them."""
+        return await self.refit_source.attach(worker, destinations, plan)
+
+    async def refit_source_write(self, bucket: Bucket, workers: Sequence[str]) -> None:
+        """Write ``bucket`` into each of ``workers``' exported parameters."""
+        await self.refit_source.write(bucket, workers)
+
+    async def refit_source_flush(self) -> None:
+        await self.refit_source.flush()
+
+    async def refit_source_detach(self, worker: str) -> None:
+        await self.refit_source.detach(worker)
+
     async def refit_source_close(self) -> None:
         source = self.refit_source
         await self._refit_export_order().restart()  # exports still waiting give up
@@ -341,6 +362,23 @@ class RayTrainerSource:
                 f"asked for {len(devices)} handles, got {len(result)}",
             )
         return result
+
+    async def attach(self, worker: str, destinations: Destinations, plan: Plan) -> bool:
+        """Have the actor open ``worker``'s exported parameters (same node only)."""
+        result = await self._call("refit_source_attach", worker, destinations, plan)
+        if not isinstance(result, bool):
+            raise SourceRemoteError(self._name, "TypeError", "refit_source_attach: not a bool")
+        return result
+
+    async def write(self, bucket: Bucket, workers: Sequence[str]) -> None:
+        """One actor call per bucket, whatever the number of workers written."""
+        await self._call("refit_source_write", bucket, tuple(workers))
+
+    async def flush(self) -> None:
+        await self._call("refit_source_flush")
+
+    async def detach(self, worker: str) -> None:
+        await self._call("refit_source_detach", worker)
 
     async def aclose(self) -> None:
         """Unlink the actor's segments; sweep them from its node if it is dead. Idempotent."""

@@ -19,6 +19,7 @@ from .._exceptions import (
 )
 from .._wire._messages import AbortUpdate, BucketAck, CommitUpdate
 from .._worker._receiver import ParameterReceiver
+from ..transport.destinations import Destinations
 from ._cluster import current_node_id
 from ._errors import worker_errors
 from ._order import BucketTurns
@@ -36,6 +37,8 @@ WORKER_METHODS = (
     "refit_discover",
     "refit_parameter_specs",
     "refit_begin",
+    "refit_begin_direct",
+    "refit_destinations",
     "refit_load",
     "refit_commit",
     "refit_abort",
@@ -136,6 +139,7 @@ class RefitWorkerMixin:
         *,
         device: str | DeviceId = "cpu:0",
         importers: Mapping[str, Importer] | None = None,
+        shared_parameters: bool = False,
     ) -> None:
         """Receive refits into ``parameters`` (a module's parameters, or named tensors).
 
@@ -143,6 +147,10 @@ class RefitWorkerMixin:
         (``"cpu:0"``), a GPU's UUID, or a full :class:`~asyncrefit.DeviceId`. A name is
         qualified with this actor's Ray node id, so handles never cross nodes.
         ``importers`` overrides the transports' importers (tests, custom transports).
+        ``shared_parameters=True`` exports the parameters for direct writes by a
+        trainer on this node (see :class:`~asyncrefit.abc.DirectWorker`): on the CPU
+        they move into one ``/dev/shm`` segment, on a GPU their storages are shared by
+        CUDA IPC.
         """
         import torch
 
@@ -157,7 +165,9 @@ class RefitWorkerMixin:
             else DeviceId(node=current_node_id(), device=device)
         )
         self._refit_device_ = own
-        self._refit_receiver_ = ParameterReceiver(tensors, own, importers=importers)
+        self._refit_receiver_ = ParameterReceiver(
+            tensors, own, importers=importers, shared=shared_parameters
+        )
 
     @property
     def refit_receiver(self) -> ParameterReceiver:
@@ -219,6 +229,18 @@ class RefitWorkerMixin:
         lock, _ = self._refit_sync()
         async with lock:
             self.refit_receiver.begin(version)
+        await self._refit_restart_order()
+
+    async def refit_destinations(self) -> Destinations | None:
+        """This actor's exported parameters (``init_refit(shared_parameters=True)``)."""
+        await anyio.lowlevel.checkpoint()
+        return self.refit_receiver.destinations()
+
+    async def refit_begin_direct(self, version: int) -> None:
+        """Begin ``version``, written into this actor's parameters by the trainer."""
+        lock, _ = self._refit_sync()
+        async with lock:
+            self.refit_receiver.begin_direct(version)
         await self._refit_restart_order()
 
     async def refit_load(self, version: int, bucket: int, handles: tuple[Handle, ...]) -> BucketAck:
@@ -417,14 +439,28 @@ class RayWorker:
                 await stream.close(why)
 
     async def begin_update(self, version: int) -> None:
+        await self._begin(version, direct=False)
+
+    async def begin_direct(self, version: int) -> None:
+        """Begin ``version``, which the trainer writes into the actor's exported memory."""
+        await self._begin(version, direct=True)
+
+    async def destinations(self) -> Destinations | None:
+        """The actor's exported parameters, or ``None`` (see ``init_refit``)."""
+        result = await self._call("refit_destinations")
+        if result is not None and not isinstance(result, Destinations):
+            raise self._wrong_type("refit_destinations", result, "Destinations or None")
+        return result
+
+    async def _begin(self, version: int, *, direct: bool) -> None:
         if not self._streaming:
-            await self._call("refit_begin", version)
+            await self._call("refit_begin_direct" if direct else "refit_begin", version)
             return
         self._pushing = None
         stream = self._stream
         if stream is not None and stream.usable:
             try:
-                await stream.begin(version)
+                await stream.begin(version, direct=direct)
             except WorkerError:
                 if stream.usable:
                     raise  # the actor answered the begin with an error
@@ -436,7 +472,7 @@ class RayWorker:
         await self._drop_stream("it failed")
         host = self._stream_host if self._stream_host is not None else driver_host()
         stream = self._stream = await open_stream(self._actor, self._name, host)
-        await stream.begin(version)
+        await stream.begin(version, direct=direct)
         self._pushing = version
 
     def _open_stream(self, version: int) -> StreamCall:

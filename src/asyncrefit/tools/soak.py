@@ -83,8 +83,13 @@ class Series:
         }
 
 
-async def run_soak(pushes: int, workers: int = 2, *, warmup: int = 10) -> dict[str, Any]:
+async def run_soak(
+    pushes: int, workers: int = 2, *, warmup: int = 10, shared_parameters: bool = False
+) -> dict[str, Any]:
     """Push ``pushes`` versions of :func:`soak_model` into ``workers`` local workers.
+
+    ``shared_parameters=True`` starts the workers with exported parameters, so every
+    push is a direct write.
 
     Every push is a real optimizer-like change of every parameter; the last version is
     verified bitwise on every worker. Returns a dict of series summaries keyed by
@@ -97,7 +102,9 @@ async def run_soak(pushes: int, workers: int = 2, *, warmup: int = 10) -> dict[s
     me = os.getpid()
     series = {k: Series() for k in QUANTITIES}
     start = time.perf_counter()
-    async with spawn_local_workers(soak_model, workers) as pool:
+    async with spawn_local_workers(
+        soak_model, workers, shared_parameters=shared_parameters
+    ) as pool:
         pids = [w.pid for w in pool if w.pid is not None]
         async with RefitCoordinator(trainer=model, workers=pool, budget_bytes=1 << 19) as refit:
             for version in range(1, pushes + 1):
@@ -117,6 +124,11 @@ async def run_soak(pushes: int, workers: int = 2, *, warmup: int = 10) -> dict[s
             wrong = await mismatches(pool, module_digests(model))
             verified = not any(wrong.values())
     result: dict[str, Any] = {k: s.summary(warmup) for k, s in series.items()}
-    result.update(pushes=pushes, workers=workers, seconds=time.perf_counter() - start)
+    result.update(
+        pushes=pushes,
+        workers=workers,
+        shared_parameters=shared_parameters,
+        seconds=time.perf_counter() - start,
+    )
     result["verified"] = verified
     return result
