@@ -16,6 +16,10 @@ actor's parameters bitwise, then times ``--repeats`` pushes. The variants:
 - ``stream filtered``: ``RayWorker()`` (the default), one actor call per worker for as
   long as the coordinator keeps it (``refit_stream``, made by the warm-up push), every
   push's requests and acks as frames on its TCP stream, handles by reference.
+- ``direct filtered``: the stream, into a second set of actors started with
+  ``init_refit(shared_parameters=True)``: the trainer actor writes every bucket into
+  all of them (one actor call per bucket), and each actor gets a begin and a commit
+  per push on its stream.
 
 Reported per row: median push time, aggregate payload rate (bytes x N / time), handle
 bytes per worker per push (as the coordinator accounts them), wall time per bucket,
@@ -69,10 +73,10 @@ class BenchTrainer(RefitTrainerMixin):
 
 
 class BenchWorker(RefitWorkerMixin):
-    def __init__(self, size_mib: int, device: str) -> None:
+    def __init__(self, size_mib: int, device: str, shared: bool = False) -> None:
         torch.set_num_threads(1)
         self.params = make_params(size_mib, random=False)
-        self.init_refit(self.params, device=device)
+        self.init_refit(self.params, device=device, shared_parameters=shared)
 
 
 def machine() -> dict[str, Any]:
@@ -80,14 +84,15 @@ def machine() -> dict[str, Any]:
     return {**machine_info(), "ray": ray.__version__}
 
 
-#: (path, broadcast-all) of each variant, in the order run for each count.
-VARIANTS = (("per-call", False), ("per-call", True), ("stream", False))
+#: (path, broadcast-all) of each variant, in the order run for each count. ``direct``:
+#: the stream, into actors that export their parameters (written by the trainer actor).
+VARIANTS = (("per-call", False), ("per-call", True), ("stream", False), ("direct", False))
 
 
 async def measure(
     trainer: Any, actors: list[Any], path: str, broadcast: bool, args: argparse.Namespace
 ) -> dict[str, Any]:
-    stream = path == "stream"
+    stream = path in ("stream", "direct")
     workers = [RayWorker(a, name=f"w{i:02d}", stream=stream) for i, a in enumerate(actors)]
     async with RefitCoordinator(
         trainer=RayTrainerSource(trainer),
@@ -135,8 +140,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     actors: list[Any] = [
         worker_cls.remote(args.size_mib, f"cpu:{i:02d}") for i in range(counts[-1])
     ]
+    shared: list[Any] = [
+        worker_cls.remote(args.size_mib, f"cpu:{i:02d}", True) for i in range(counts[-1])
+    ]
     await trainer.digests.remote()
-    for a in actors:
+    for a in [*actors, *shared]:
         await a.refit_weight_version.remote()
     start_s = time.perf_counter() - started
     print(
@@ -145,7 +153,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for n in counts:
         for path, broadcast in VARIANTS:
-            row = await measure(trainer, actors[:n], path, broadcast, args)
+            pool = shared if path == "direct" else actors
+            row = await measure(trainer, pool[:n], path, broadcast, args)
             print(format_row(row), file=sys.stderr)
             rows.append(row)
     return {
@@ -187,6 +196,13 @@ def ratios(result: dict[str, Any]) -> list[str]:
                 f"{n} workers: driver CPU per push {old['driver_cpu_ms_per_push']:.1f} ms "
                 f"per-call, {new['driver_cpu_ms_per_push']:.1f} ms stream: "
                 f"{old['driver_cpu_ms_per_push'] / new['driver_cpu_ms_per_push']:.1f}x less"
+            )
+        direct = by.get((n, "direct", "filtered"))
+        if new is not None and direct is not None:
+            lines.append(
+                f"{n} workers: driver CPU per push {new['driver_cpu_ms_per_push']:.1f} ms "
+                f"stream, {direct['driver_cpu_ms_per_push']:.1f} ms direct write: "
+                f"{new['driver_cpu_ms_per_push'] / direct['driver_cpu_ms_per_push']:.1f}x less"
             )
     return lines
 

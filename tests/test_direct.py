@@ -158,6 +158,31 @@ async def test_one_push_mixes_direct_and_staged_workers() -> None:
     assert own_segments() == []
 
 
+def test_write_batches_group_consecutive_buckets_up_to_the_limit() -> None:
+    from asyncrefit import ParamSpec
+    from asyncrefit._core._push import write_batches
+    from asyncrefit.planning import plan_buckets
+
+    specs = [ParamSpec(name=f"t{i}", shape=(256,), dtype="float32") for i in range(7)]
+    plan = plan_buckets(specs, 1024)  # one 1 KiB tensor per bucket
+    batches = write_batches(plan.buckets, 3 * 1024)
+    assert [len(b) for b in batches] == [3, 3, 1]
+    assert [b.index for batch in batches for b in batch] == list(range(7))
+    assert [len(b) for b in write_batches(plan.buckets, 10)] == [1] * 7  # one each, at least
+
+
+async def test_direct_push_reports_every_bucket_once() -> None:
+    model = make_mlp()
+    with direct_fakes(model, 2) as workers:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=16 * KIB) as r:
+            events: list[PushEvent] = []
+            r.subscribe(events.append)
+            report = await r.push(1)
+            packed = sorted(e.bucket for e in events if isinstance(e, BucketPacked))
+            assert packed == list(range(report.buckets))
+            assert report.stages.pack <= report.seconds
+
+
 @pytest.mark.parametrize("option", ["verify", "direct_write_off"])
 async def test_verify_and_direct_write_off_stage_every_bucket(option: str) -> None:
     model = make_mlp()

@@ -182,15 +182,16 @@ class WritingSource(TrainerSource, Protocol):
     ``attach(worker, destinations, plan)`` opens a :class:`DirectWorker`'s
     destinations for ``plan`` and returns whether this source can write there (the
     worker then gets no staged buckets from it); it raises for destinations that do
-    not match the plan. ``write(bucket, workers)`` writes ``bucket``'s tensors into
-    each attached worker's places, complete on return except on a device, where
-    ``flush()`` waits for every write issued; ``detach(worker)`` closes what
+    not match the plan. ``write(buckets, workers)`` writes the tensors of
+    ``buckets`` (consecutive buckets of the plan, in order) into each attached
+    worker's places, complete on return except on a device, where ``flush()`` waits
+    for every write issued; ``detach(worker)`` closes what
     ``attach`` opened (``aclose`` closes them all).
     """
 
     async def attach(self, worker: str, destinations: Destinations, plan: Plan) -> bool: ...
 
-    async def write(self, bucket: Bucket, workers: Sequence[str]) -> None: ...
+    async def write(self, buckets: Sequence[Bucket], workers: Sequence[str]) -> None: ...
 
     async def flush(self) -> None: ...
 

@@ -82,7 +82,9 @@ class RefitCoordinator(EventSource):
     workers that export their parameters (:class:`~asyncrefit.abc.DirectWorker`, such
     as local workers started with ``shared_parameters=True``) directly: one copy per
     byte into the worker's memory, no staging slot, and a begin and a commit per
-    worker per push instead of a request per bucket. Other workers of the same push
+    worker per push instead of a request per bucket; a source is handed consecutive
+    buckets of up to ``budget_bytes`` of payload at a time (the budget then bounds
+    what it may materialise to write them). Other workers of the same push
     are sent staged buckets as usual. ``verify=True`` and ``broadcast_all_handles``
     use the staged path for every worker.
 
@@ -140,6 +142,7 @@ class RefitCoordinator(EventSource):
             cleanup_timeout=cleanup_timeout,
             broadcast_all=broadcast_all_handles,
             verify=verify,
+            write_batch_bytes=budget_bytes,
         )
         self._load_sizes = LoadSizes()  # handle bytes of the load requests, per push
         self._direct_write = direct_write and not verify and not broadcast_all_handles

@@ -80,6 +80,25 @@ class PushOptions:
     cleanup_timeout: float
     broadcast_all: bool
     verify: bool
+    #: At most this much payload is written into direct workers by one source call.
+    write_batch_bytes: int = 1 << 30
+
+
+def write_batches(buckets: Sequence[Bucket], limit: int) -> list[tuple[Bucket, ...]]:
+    """``buckets`` in order, grouped so that each group's payload is at most ``limit``
+    bytes (a bucket larger than that is a group of its own)."""
+    batches: list[tuple[Bucket, ...]] = []
+    batch: list[Bucket] = []
+    size = 0
+    for bucket in buckets:
+        if batch and size + bucket.payload_bytes > limit:
+            batches.append(tuple(batch))
+            batch, size = [], 0
+        batch.append(bucket)
+        size += bucket.payload_bytes
+    if batch:
+        batches.append(tuple(batch))
+    return batches
 
 
 async def call_worker(
@@ -259,7 +278,13 @@ class Push:
 
     async def _write_direct(self) -> None:
         """Have each source write every bucket into its direct members, in plan order,
-        once every worker began; then wait for the writes issued on a device."""
+        once every worker began; then wait for the writes issued on a device.
+
+        Consecutive buckets go to a source together, up to ``write_batch_bytes`` of
+        payload a call (at least one bucket): what a source may materialise at once
+        (a cast, a conversion) stays bounded, and a remote source is called once per
+        batch, not per bucket.
+        """
         groups = self.topology.direct_groups()
         if not groups:
             return
@@ -268,13 +293,12 @@ class Push:
         names = {i: [m.name for m in ms] for i, ms in groups.items()}
         count = sum(len(ms) for ms in groups.values())
         await self._begun.wait()
-        for bucket in self.topology.plan.buckets:
-            record = self._recorder.bucket(bucket.index, -1, bucket.payload_bytes)
-            with record.packing():
+        for batch in write_batches(self.topology.plan.buckets, self._options.write_batch_bytes):
+            records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in batch]
+            with self._recorder.writing(records, "direct", count):
                 async with anyio.create_task_group() as tg:
                     for i, source in sources.items():
-                        tg.start_soon(source.write, bucket, names[i])
-            record.written("direct", count)
+                        tg.start_soon(source.write, batch, names[i])
         async with anyio.create_task_group() as tg:
             for source in sources.values():
                 tg.start_soon(source.flush)

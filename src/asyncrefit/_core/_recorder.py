@@ -19,7 +19,7 @@ over the :class:`~asyncrefit.events.EventHub` its recorders emit into.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -150,6 +150,29 @@ class PushRecorder:
     def bucket(self, index: int, slot: int, payload: int) -> BucketRecorder:
         """The recorder of bucket ``index`` (``payload`` bytes) staged in ``slot``."""
         return BucketRecorder(self, index, slot, payload)
+
+    @contextmanager
+    def writing(self, buckets: Sequence[BucketRecorder], kind: str, workers: int) -> Iterator[None]:
+        """Time the block that writes ``buckets`` directly into ``workers`` workers
+        (transport ``kind``): once into the pack stage, then a :class:`BucketPacked`
+        per bucket and its bytes per worker."""
+        t = self._clock()
+        yield
+        done = self._clock()
+        self.account.pack += done - t
+        for record in buckets:
+            record.written(kind, workers)
+            if self._events:
+                self._events.emit(
+                    BucketPacked(
+                        time=done,
+                        version=self.version,
+                        bucket=record.index,
+                        slot=record.slot,
+                        bytes=record.payload,
+                        started=t,
+                    )
+                )
 
     @contextmanager
     def committing(self) -> Iterator[None]:

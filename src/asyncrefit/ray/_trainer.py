@@ -231,9 +231,9 @@ class RefitTrainerMixin:
         """Open ``worker``'s exported parameters: whether this source writes them."""
         return await self.refit_source.attach(worker, destinations, plan)
 
-    async def refit_source_write(self, bucket: Bucket, workers: Sequence[str]) -> None:
-        """Write ``bucket`` into each of ``workers``' exported parameters."""
-        await self.refit_source.write(bucket, workers)
+    async def refit_source_write(self, buckets: Sequence[Bucket], workers: Sequence[str]) -> None:
+        """Write ``buckets`` into each of ``workers``' exported parameters."""
+        await self.refit_source.write(buckets, workers)
 
     async def refit_source_flush(self) -> None:
         await self.refit_source.flush()
@@ -370,9 +370,9 @@ class RayTrainerSource:
             raise SourceRemoteError(self._name, "TypeError", "refit_source_attach: not a bool")
         return result
 
-    async def write(self, bucket: Bucket, workers: Sequence[str]) -> None:
-        """One actor call per bucket, whatever the number of workers written."""
-        await self._call("refit_source_write", bucket, tuple(workers))
+    async def write(self, buckets: Sequence[Bucket], workers: Sequence[str]) -> None:
+        """One actor call per batch of buckets, whatever the number of workers written."""
+        await self._call("refit_source_write", tuple(buckets), tuple(workers))
 
     async def flush(self) -> None:
         await self._call("refit_source_flush")

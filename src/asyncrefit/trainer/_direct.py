@@ -124,13 +124,16 @@ class DirectWriter:
 
     # --- writing -----------------------------------------------------------------------
 
-    async def write(self, bucket: Bucket, workers: Sequence[str]) -> None:
-        """Write ``bucket``'s tensors into each of ``workers``' places (attached first).
+    async def write(self, buckets: Sequence[Bucket], workers: Sequence[str]) -> None:
+        """Write the tensors of ``buckets`` into each of ``workers``' places (attached
+        first), in one hand-off to the source's thread.
 
         Complete on return on the CPU; on a GPU, issued (see :meth:`flush`). A tensor
         that cannot be written raises :class:`~asyncrefit.PackError` naming it.
         """
-        await anyio.to_thread.run_sync(self._write, bucket, tuple(workers), limiter=self._limiter)
+        await anyio.to_thread.run_sync(
+            self._write_all, tuple(buckets), tuple(workers), limiter=self._limiter
+        )
 
     async def flush(self) -> None:
         """Wait for every write issued on a GPU (nothing to do on the CPU)."""
@@ -141,6 +144,10 @@ class DirectWriter:
         }
         if devices:
             await anyio.to_thread.run_sync(_synchronize, devices, limiter=self._limiter)
+
+    def _write_all(self, buckets: tuple[Bucket, ...], workers: tuple[str, ...]) -> None:
+        for bucket in buckets:
+            self._write(bucket, workers)
 
     def _write(self, bucket: Bucket, workers: tuple[str, ...]) -> None:
         import torch
