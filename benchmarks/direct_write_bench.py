@@ -55,7 +55,7 @@ from asyncrefit.tools._table import (
 from asyncrefit.tools.bench import llama_specs, module_from_specs
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
-SECTION = "## Direct write"
+SECTION = "## Direct write into workers"
 MIB = 1 << 20
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -254,6 +255,40 @@ class RefitWorkerExtension:
     def asyncrefit_serve(self, request_id: int) -> None:
         """Serve request ``request_id`` from this worker's asyncrefit channel."""
         self._asyncrefit_engine().serve(request_id)
+
+    def asyncrefit_learn_copy_plan(self, checkpoint: str | None = None) -> dict[str, Any]:
+        """Learn this rank's copy plan (:mod:`asyncrefit.vllm._copyplan`) on the live
+        model, outside any update session; with ``checkpoint`` (the directory the engine
+        was loaded from), check it bitwise against what the engine loaded.
+
+        Returns the plan's summary, with ``mismatches`` (targets where the plan would
+        write other bytes than the engine holds) when checked. The model's parameters
+        are swapped for float64 during the learning and restored after it: run it
+        while the engine serves nothing.
+        """
+        from ._copyplan import learn, mismatches
+        from ._reload import _processing
+        from ._sink import checkpoint_specs
+
+        engine = self._asyncrefit_engine()
+        model = engine.model
+        shapes = {s.name: s.shape for s in checkpoint_specs(engine.vllm_config)}
+
+        def processed(target: str) -> bool:
+            owner = model.get_submodule(target.rpartition(".")[0])
+            return _processing(owner) is not None
+
+        plan = learn(model, shapes, processed=processed)
+        found = plan.summary()
+        if checkpoint is not None:
+            from safetensors.torch import load_file
+
+            tensors: dict[str, torch.Tensor] = {}
+            for path in sorted(Path(checkpoint).glob("*.safetensors")):
+                tensors.update(load_file(str(path)))
+            params = dict(model.named_parameters())
+            found["mismatches"] = mismatches(plan, params, tensors)
+        return found
 
     def asyncrefit_inject_faults(
         self, *, fail_finalize: bool = False, abort_delay: float = 0.0
