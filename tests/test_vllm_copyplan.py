@@ -102,7 +102,7 @@ def test_plan_learned_from_the_loader_writes_what_the_loader_writes() -> None:
     assert mismatches(plan, dict(loaded.named_parameters()), checkpoint(2))
 
 
-def test_learning_restores_the_parameters_when_the_loader_raises() -> None:
+def test_a_tensor_the_loader_refuses_is_staged_and_the_parameters_restored() -> None:
     model = Toy()
     data = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
 
@@ -110,8 +110,15 @@ def test_learning_restores_the_parameters_when_the_loader_raises() -> None:
         next(iter(weights))
         raise RuntimeError("loader failed")
 
-    with pytest.raises(RuntimeError, match="loader failed"):
-        learn(model, SHAPES, load=broken)
+    plan = learn(model, SHAPES, load=broken)
+    assert plan.copies == () and plan.staged == tuple(sorted(SHAPES))
+    assert {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()} == data
+
+    def interrupted(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        learn(model, SHAPES, load=interrupted)
     assert {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()} == data
 
 
@@ -132,6 +139,7 @@ def test_plan_learned_in_the_engine_matches_what_it_loaded(
         warnings.simplefilter("ignore")
         pytest.importorskip("vllm")
         from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
 
     from .vllm_models import ENGINE_KWARGS, engine_processes, make_checkpoint
 
@@ -140,14 +148,15 @@ def test_plan_learned_in_the_engine_matches_what_it_loaded(
     engine = LLM(model=str(path), **ENGINE_KWARGS)
     try:
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        prompt = {"prompt_token_ids": [1, 2, 3, 4]}
+        prompt = TokensPrompt(prompt_token_ids=[1, 2, 3, 4])
         first = engine.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
         (found,) = engine.collective_rpc("asyncrefit_learn_copy_plan", args=(str(path),))
+        print(arch, found)
         assert found["mismatches"] == []
-        assert found["copies"] > 0 and found["targets"]
-        # what is not a block copy is named, and is at most the layers with processing
-        print(arch, {k: v for k, v in found.items() if k != "targets"})
-        assert found["copied_elements"] + 0 <= 2 * found["source_elements"]
+        # On the CPU build every linear layer repacks its weight after loading (a
+        # oneDNN copy): those tensors stay with the reload; the norms are block copies.
+        assert found["copies"] > 0 and any("norm" in t for t in found["targets"])
+        assert set(found["staged"]) | {c for c in found["sources"]} >= set(found["all"])
         again = engine.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
         assert again == first  # learning restored every parameter
     finally:

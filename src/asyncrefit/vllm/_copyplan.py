@@ -63,6 +63,7 @@ class CopyPlan:
     def summary(self) -> dict[str, Any]:
         return {
             "copies": len(self.copies),
+            "sources": sorted({c.source for c in self.copies}),
             "staged": list(self.staged),
             "copied_elements": self.copied_elements,
             "source_elements": self.source_elements,
@@ -101,25 +102,38 @@ def learn(
     if total >= 2**53:
         raise ValueError("too many elements to encode exactly in float64")
     readback: dict[str, torch.Tensor] = {}
+    refused: set[str] = set()
     try:
         with torch.no_grad():
             for p in params.values():
                 p.data = torch.full(p.shape, -1.0, dtype=torch.float64, device=p.device)
             device = next(iter(saved.values())).device if saved else torch.device("cpu")
-
-            def positions() -> Iterable[tuple[str, torch.Tensor]]:
-                for name, base in zip(names, bases, strict=True):
-                    n = math.prod(shapes[name])
-                    values = torch.arange(base, base + n, dtype=torch.float64, device=device)
-                    yield name, values.view(tuple(shapes[name]))
-
-            load(positions())
+            # One tensor at a time: a tensor the loader refuses (a layer whose weight
+            # was repacked after loading, so its parameter no longer has the
+            # checkpoint's shape) is left to the reload; the others are learned.
+            for name, base in zip(names, bases, strict=True):
+                n = math.prod(shapes[name])
+                values = torch.arange(base, base + n, dtype=torch.float64, device=device)
+                try:
+                    load([(name, values.view(tuple(shapes[name])))])
+                except Exception:
+                    refused.add(name)
             for name, p in params.items():
                 readback[name] = p.data.detach().cpu()
     finally:
         for name, p in params.items():
             p.data = saved[name]
-    return _read(readback, names, bases, shapes, total, processed or (lambda _: False))
+    plan = _read(readback, names, bases, shapes, total, processed or (lambda _: False))
+    if not refused:
+        return plan
+    staged = set(plan.staged) | refused
+    copies = tuple(c for c in plan.copies if c.source not in staged)
+    return CopyPlan(
+        copies=copies,
+        staged=tuple(sorted(staged)),
+        copied_elements=sum(c.numel for c in copies),
+        source_elements=total,
+    )
 
 
 def _read(

@@ -224,6 +224,10 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
             channel.close()
 
 
+#: Post-load methods that leave a layer's weight as loaded on a GPU (no derived copy).
+_KEEPS_WEIGHTS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+
+
 class RefitWorkerExtension:
     """vLLM's ``worker_extension_cls`` for asyncrefit: RPCs outside weight updates.
 
@@ -274,12 +278,18 @@ class RefitWorkerExtension:
         model = engine.model
         shapes = {s.name: s.shape for s in checkpoint_specs(engine.vllm_config)}
 
+        cpu = torch.device(engine.device).type == "cpu"
+
         def processed(target: str) -> bool:
-            owner = model.get_submodule(target.rpartition(".")[0])
-            return _processing(owner) is not None
+            # What derives state from a layer's weights after loading. On a GPU the
+            # unquantized methods keep the weight as loaded; on the CPU build they pack
+            # a copy (oneDNN), so every method counts there.
+            method = _processing(model.get_submodule(target.rpartition(".")[0]))
+            return method is not None and (cpu or method not in _KEEPS_WEIGHTS)
 
         plan = learn(model, shapes, processed=processed)
         found = plan.summary()
+        found["all"] = sorted(shapes)
         if checkpoint is not None:
             from safetensors.torch import load_file
 
