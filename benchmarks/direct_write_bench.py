@@ -29,6 +29,7 @@ worker's parameters are compared with the trainer's (checksums computed by the w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -81,12 +82,21 @@ def make_model(shape: dict[str, Any]) -> torch.nn.Module:
 def checksums(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Two int64 sums per tensor over its bit patterns, one weighted by position."""
     out = []
+    chunk = 1 << 24  # elements at a time: the int64 temporaries stay small
     for p in params:
         bits = p.detach().reshape(-1).view(torch.int16 if p.element_size() == 2 else torch.int32)
-        wide = bits.to(torch.int64)
-        weights = torch.arange(1, wide.numel() + 1, device=wide.device, dtype=torch.int64)
-        out.append(torch.stack([wide.sum(), (wide * (weights % 65521)).sum()]))
-    return torch.stack(out).cpu()
+        plain = torch.zeros((), dtype=torch.int64, device=bits.device)
+        weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+        for start in range(0, bits.numel(), chunk):
+            wide = bits[start : start + chunk].to(torch.int64)
+            weights = torch.arange(start + 1, start + 1 + wide.numel(), device=wide.device)
+            plain += wide.sum()
+            weighted += (wide * (weights % 65521)).sum()
+        out.append(torch.stack([plain, weighted]))
+    result = torch.stack(out).cpu()
+    if params and params[0].device.type == "cuda":
+        torch.cuda.empty_cache()  # give the temporaries back: workers share one GPU
+    return result
 
 
 def fill(module: torch.nn.Module, seed: int) -> None:
@@ -137,6 +147,7 @@ async def time_pushes(
     repeats: int,
 ) -> dict[str, Any]:
     times = []
+    stages: list[dict[str, float]] = []
     async with RefitCoordinator(
         trainer=make_trainer(), workers=workers, budget_bytes=budget, timeout=600
     ) as refit:
@@ -146,6 +157,7 @@ async def time_pushes(
             report = await refit.push(v)
             if v > warmup:
                 times.append(time.perf_counter() - start)
+                stages.append(dataclasses.asdict(report.stages))
         want = checksums(list(model.parameters()))
         for w in workers:
             got = await w.forward(None)
@@ -153,6 +165,7 @@ async def time_pushes(
                 raise AssertionError(f"{w.name} does not hold the trainer's tensors")
     return {
         "seconds": times,
+        "stages": {k: statistics.median(s[k] for s in stages) for k in stages[0]},
         "slots": report.slots,
         "staging_bytes": report.slots * report.slot_bytes,
         "peak_budget_bytes": report.peak_budget_bytes,
@@ -183,11 +196,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for n in args.consumers:
         print(f"-- {n} consumer(s)", file=sys.stderr, flush=True)
-        rows[f"{n}: one-copy limit"] = {
-            "consumers": n,
-            "seconds": limit_seconds(params, n, args.repeats),
-            "staging_bytes": 0,
-        }
+        limit = limit_seconds(params, n, args.repeats)
+        rows[f"{n}: one-copy limit"] = {"consumers": n, "seconds": limit, "staging_bytes": 0}
+        print(f"   one-copy limit: {statistics.median(limit) * 1e3:.2f} ms", file=sys.stderr)
         devices = [dev] * n if dev is not None else None
         factory = functools.partial(make_model, shape)
         for name, shared in (("direct write", True), ("staged", False)):
@@ -210,7 +221,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["consumers"] = n
             rows[f"{n}: {name}"] = result
             ms = statistics.median(result["seconds"]) * 1e3
-            print(f"   {name}: {ms:.1f} ms", file=sys.stderr)
+            parts = " ".join(f"{k} {v * 1e3:.2f}" for k, v in result["stages"].items())
+            print(f"   {name}: {ms:.2f} ms ({parts})", file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(gpu=cuda),

@@ -299,9 +299,10 @@ class Push:
                 async with anyio.create_task_group() as tg:
                     for i, source in sources.items():
                         tg.start_soon(source.write, batch, names[i])
-        async with anyio.create_task_group() as tg:
-            for source in sources.values():
-                tg.start_soon(source.flush)
+        with self._recorder.writing((), "direct", count):  # the device's writes end
+            async with anyio.create_task_group() as tg:
+                for source in sources.values():
+                    tg.start_soon(source.flush)
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)

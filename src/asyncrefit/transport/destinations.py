@@ -102,6 +102,8 @@ class Destinations:
         misaligned for its dtype (a view there could not be made, or would reach past)."""
         for e in self.entries:
             size = torch_dtype(e.dtype).itemsize
+            if e.region == -1 and e.nbytes == 0:
+                continue  # an empty tensor lives nowhere
             if not 0 <= e.region < len(self.regions):
                 raise TransportError(f"destination of {e.name!r} names no region ({e.region})")
             region = self.regions[e.region].nbytes
@@ -129,8 +131,13 @@ def views(
     regions: Sequence[torch.Tensor], entries: tuple[DestinationEntry, ...]
 ) -> dict[str, torch.Tensor]:
     """Each entry's place in its flat ``uint8`` region, shaped and of its dtype."""
+    import torch
+
+    device = regions[0].device if regions else torch.device("cpu")
     return {
-        e.name: regions[e.region][e.offset : e.offset + e.nbytes]
+        e.name: torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=device)
+        if e.region == -1
+        else regions[e.region][e.offset : e.offset + e.nbytes]
         .view(torch_dtype(e.dtype))
         .view(e.shape)
         for e in entries
@@ -219,6 +226,13 @@ def _share_cuda(
     for name, t in parameters.items():
         if not t.is_contiguous():
             raise TransportError(f"parameter {name!r} is not contiguous: it cannot be shared")
+        if t.numel() == 0:  # no memory to share: no region
+            entries.append(
+                DestinationEntry(
+                    name=name, region=-1, offset=0, shape=tuple(t.shape), dtype=dtype_name(t.dtype)
+                )
+            )
+            continue
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in index:
