@@ -305,6 +305,7 @@ class RayTrainerSource:
         self._name = name if name is not None else default_actor_name(actor)
         self._sweep_timeout = sweep_timeout
         self._process: tuple[str, int] | None = None
+        self._on_device: set[str] = set()  # workers written directly on a GPU
 
     def __repr__(self) -> str:
         return f"<RayTrainerSource {self._name!r} {self._actor!r}>"
@@ -368,6 +369,8 @@ class RayTrainerSource:
         result = await self._call("refit_source_attach", worker, destinations, plan)
         if not isinstance(result, bool):
             raise SourceRemoteError(self._name, "TypeError", "refit_source_attach: not a bool")
+        if result and destinations.kind == "cuda_ipc":
+            self._on_device.add(worker)
         return result
 
     async def write(self, buckets: Sequence[Bucket], workers: Sequence[str]) -> None:
@@ -375,9 +378,12 @@ class RayTrainerSource:
         await self._call("refit_source_write", tuple(buckets), tuple(workers))
 
     async def flush(self) -> None:
-        await self._call("refit_source_flush")
+        """Wait for the writes issued on a GPU (no call when no worker is on one)."""
+        if self._on_device:
+            await self._call("refit_source_flush")
 
     async def detach(self, worker: str) -> None:
+        self._on_device.discard(worker)
         await self._call("refit_source_detach", worker)
 
     async def aclose(self) -> None:
