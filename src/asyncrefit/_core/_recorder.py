@@ -162,17 +162,7 @@ class PushRecorder:
         self.account.pack += done - t
         for record in buckets:
             record.written(kind, workers)
-            if self._events:
-                self._events.emit(
-                    BucketPacked(
-                        time=done,
-                        version=self.version,
-                        bucket=record.index,
-                        slot=record.slot,
-                        bytes=record.payload,
-                        started=t,
-                    )
-                )
+            record.packed(t, done)
 
     @contextmanager
     def committing(self) -> Iterator[None]:
@@ -274,17 +264,22 @@ class BucketRecorder:
         t = self._push._clock()
         yield
         packed = self._push._clock()
+        self._push.account.pack += packed - t
+        self.packed(t, packed)
+
+    def packed(self, started: float, done: float) -> None:
+        """Emit :class:`BucketPacked`: the bucket was packed (or written) from
+        ``started`` to ``done``."""
         push = self._push
-        push.account.pack += packed - t
         if push._events:
             push._events.emit(
                 BucketPacked(
-                    time=packed,
+                    time=done,
                     version=push.version,
                     bucket=self.index,
                     slot=self.slot,
                     bytes=self.payload,
-                    started=t,
+                    started=started,
                 )
             )
 
