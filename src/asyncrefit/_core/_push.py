@@ -455,9 +455,14 @@ class Push:
     # --- failure ----------------------------------------------------------------------
 
     async def abort(self) -> None:
-        """Tell every touched, uncommitted worker to abort; shielded and bounded."""
+        """Tell every touched, uncommitted worker to abort; shielded and bounded.
+
+        Direct writes a source issued on a device are waited for first: a worker is
+        told to abort only once nothing writes its memory any more.
+        """
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + self._options.cleanup_timeout
+            await self._flush_direct()
             async with anyio.create_task_group() as tg:
                 for member in self._touched - self._committed:
                     tg.start_soon(self._abort_one, member)
@@ -467,6 +472,19 @@ class Push:
                 self.version,
                 self._ledger.quarantined(),
             )
+
+    async def _flush_direct(self) -> None:
+        """Wait for the direct writes still running on a device (errors are logged)."""
+
+        async def one(source: WritingSource) -> None:
+            try:
+                await source.flush()
+            except Exception as exc:
+                logger.warning("trainer source %r could not finish its writes: %s", source, exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in self.topology.direct_groups():
+                tg.start_soon(one, cast("WritingSource", self._sources[i]))
 
     async def _abort_one(self, member: Member) -> None:
         version = self.version
