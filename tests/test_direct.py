@@ -105,6 +105,34 @@ async def test_direct_push_into_processes_is_bitwise_and_stages_nothing() -> Non
     assert own_segments() == [] and segments_of(pids) == []
 
 
+async def test_workers_are_written_directly_by_one_coordinator_after_another() -> None:
+    """The segment keeps its name while the worker lives: a second coordinator (or a
+    re-plan, or a worker removed and added again) opens it anew."""
+    model = make_mlp()
+    async with spawn_local_workers(make_mlp, 2, shared_parameters=True) as workers:
+        pids = {w.pid for w in workers}
+        version = 0
+        for _ in range(2):
+            async with RefitCoordinator(
+                trainer=model, workers=workers, budget_bytes=64 * KIB
+            ) as refit:
+                version += 1
+                step(model, version)
+                report = await refit.push(version)
+                assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+                await assert_hold(workers, model, version)
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=64 * KIB) as r:
+            await r.remove_worker("worker-1")
+            await r.add_worker(workers[1])
+            version += 1
+            step(model, version)
+            report = await r.push(version)
+            assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+            await assert_hold(workers, model, version)
+        assert len(segments_of(pids)) == 2  # one per live worker, nothing more
+    assert own_segments() == [] and segments_of(pids) == []
+
+
 async def test_direct_push_costs_two_calls_per_worker_whatever_the_buckets() -> None:
     model = make_mlp()
     with direct_fakes(model, 3) as workers:

@@ -51,6 +51,7 @@ from .._wire._messages import (
     VersionReply,
 )
 from .._wire._mux import RequestChannel
+from ..transport.destinations import Destinations, unlink_segments
 from ._faults import WorkerFaults
 from ._server import worker_main
 
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..transport._base import Handle
-    from ..transport.destinations import Destinations
 
 R = TypeVar("R")
 
@@ -95,6 +95,7 @@ class LocalWorker:
         self._device = device
         self._requests = RequestChannel(channel, send_timeout=_SEND_TIMEOUT)
         self._dead: str | None = None
+        self._exported: list[Destinations] = []  # what the process exported (its segments)
 
     def __repr__(self) -> str:
         state = f"dead ({self._dead})" if self._dead else "alive"
@@ -146,7 +147,16 @@ class LocalWorker:
             if self._process.is_alive():
                 self._process.kill()
             await anyio.to_thread.run_sync(self._process.join, _REAP_TIMEOUT)
+            self._unlink_exported()
         self._dead = f"{why} (exit code {self._process.exitcode})"
+
+    def _unlink_exported(self) -> None:
+        """The process is gone: unlink the segments it exported (it cannot any more)."""
+        if self._process.is_alive():
+            return
+        for found in self._exported:
+            unlink_segments(found)
+        self._exported.clear()
 
     # --- the Worker protocol ----------------------------------------------------------
 
@@ -161,8 +171,14 @@ class LocalWorker:
         await self._expect(BeginUpdate(version=version), Done)
 
     async def destinations(self) -> Destinations | None:
-        """The worker's exported parameters (with ``shared_parameters=True``), or ``None``."""
-        return (await self._expect(GetDestinations(), DestinationsReply)).destinations
+        """The worker's exported parameters (with ``shared_parameters=True``), or ``None``.
+
+        Their segment is unlinked here once the process is reaped, if it died.
+        """
+        found = (await self._expect(GetDestinations(), DestinationsReply)).destinations
+        if found is not None:
+            self._exported.append(found)
+        return found
 
     async def begin_direct(self, version: int) -> None:
         await self._expect(BeginUpdate(version=version, direct=True), Done)
@@ -219,6 +235,7 @@ class LocalWorker:
             if self._process.is_alive():
                 self._process.kill()
                 await anyio.to_thread.run_sync(self._process.join, _REAP_TIMEOUT)
+            self._unlink_exported()  # a graceful exit unlinked them already
             if self._dead is None:
                 self._dead = "closed"
 

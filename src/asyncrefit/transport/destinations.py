@@ -15,13 +15,14 @@ a push"): the trainer writes a worker's memory only between that worker's
 ``begin_direct`` and its commit or abort, and the worker serves nothing from its
 parameters meanwhile.
 
-Lifetimes: the worker owns its memory. A shared-memory segment is unlinked by the
-first side that has mapped it (the trainer right after opening it, or the worker when
-it closes), so a killed process leaves no name under ``/dev/shm``: the memory goes
-with the last mapping. Its name has the library's form (the creating pid), so the
-sweep of :mod:`asyncrefit.transport.shm` removes one whose creator died before anyone
-opened it. GPU parameters stay the worker's; the trainer's mappings of them are
-dropped by :meth:`OpenedDestinations.close`.
+Lifetimes: the worker owns its memory. Its shared-memory segment keeps its name for
+as long as the worker lives, so any trainer (a second coordinator, one after a
+re-plan) can open it again; the worker unlinks it when it closes, and the local
+backend's client unlinks it once it reaped a worker process that died (the memory
+goes with the last mapping). The name has the library's form (the creating pid), so
+the sweep of :mod:`asyncrefit.transport.shm` removes one whose creator died without
+either. GPU parameters stay the worker's; the trainer's mappings of them are dropped
+by :meth:`OpenedDestinations.close`.
 
 torch is imported lazily: importing this module never initializes CUDA.
 """
@@ -275,11 +276,18 @@ class OpenedDestinations:
         self.views = {}
 
 
+def unlink_segments(destinations: Destinations) -> None:
+    """Unlink the shared-memory segments of ``destinations`` (their owner is gone)."""
+    for region in destinations.regions:
+        if region.segment:
+            _unlink(region.segment)
+
+
 def open_destinations(destinations: Destinations) -> OpenedDestinations:
     """Map a worker's regions in this process (the trainer's side of a direct write).
 
-    The entries are checked to lie inside their regions first. A shared-memory segment
-    is unlinked right after it is mapped. Raises :class:`TransportError` when a region
+    The entries are checked to lie inside their regions first. Raises
+    :class:`TransportError` when a region
     cannot be opened here (another machine's segment, a GPU this process does not
     see) or an entry does not fit.
     """
@@ -288,7 +296,6 @@ def open_destinations(destinations: Destinations) -> OpenedDestinations:
         regions = []
         for region in destinations.regions:
             segment = _Segment.open(region.segment)
-            _unlink(segment.name)  # both sides mapped it: no name is left behind
             assert segment.tensor is not None
             if segment.tensor.numel() < region.nbytes:
                 raise TransportError(
