@@ -39,14 +39,11 @@ import anyio
 import torch
 
 from asyncrefit import (
-    DeviceId,
     LocalTrainer,
-    ParameterReceiver,
-    ParamSpec,
     RefitCoordinator,
     cpu_device,
 )
-from asyncrefit.abc import BucketAck
+from asyncrefit.tools._inprocess import InProcessWorker
 from asyncrefit.tools._machine import machine_info, machine_line
 from asyncrefit.tools._table import (
     Column,
@@ -55,65 +52,21 @@ from asyncrefit.tools._table import (
     results_section,
     table,
 )
-from asyncrefit.transport import Handle
-from asyncrefit.transport.destinations import Destinations
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
 SECTION = "## Control path"
 DEVICE = cpu_device(0)
 
 
-class InProcessWorker:
-    """A worker over a :class:`ParameterReceiver` on the coordinator's loop."""
-
-    def __init__(self, name: str, params: dict[str, torch.Tensor], *, shared: bool) -> None:
-        self.name = name
-        self.params = params
-        self.receiver = ParameterReceiver(params, DEVICE, shared=shared)
-
-    async def report_device_id_async(self) -> DeviceId:
-        return DEVICE
-
-    async def parameter_specs(self) -> Sequence[ParamSpec]:
-        return self.receiver.specs()
-
-    async def begin_update(self, version: int) -> None:
-        self.receiver.begin(version)
-
-    async def load_bucket(
-        self, version: int, bucket: int, handles: tuple[Handle, ...]
-    ) -> BucketAck:
-        return self.receiver.load(version, bucket, handles)
-
-    async def commit_update(self, version: int, buckets: int) -> None:
-        self.receiver.commit(version, buckets)
-
-    async def abort_update(self, version: int) -> None:
-        self.receiver.abort(version)
-
-    async def weight_version(self) -> int | None:
-        return self.receiver.version
-
-    async def release_handles(self) -> None:
-        self.receiver.release_handles()
-
-
-class InProcessDirectWorker(InProcessWorker):
-    """The same, exporting its parameters: a :class:`~asyncrefit.abc.DirectWorker`."""
-
-    async def destinations(self) -> Destinations | None:
-        return self.receiver.destinations()
-
-    async def begin_direct(self, version: int) -> None:
-        self.receiver.begin_direct(version)
-
-
 async def measure(path: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     trainer = {f"t{i}": torch.randn(args.floats) for i in range(args.buckets)}
-    shared = path == "direct"
-    cls = InProcessDirectWorker if shared else InProcessWorker
     workers = [
-        cls(f"w{i}", {k: torch.zeros_like(t) for k, t in trainer.items()}, shared=shared)
+        InProcessWorker(
+            name=f"w{i}",
+            device=DEVICE,
+            parameters={k: torch.zeros_like(t) for k, t in trainer.items()},
+            shared=path == "direct",
+        )
         for i in range(n)
     ]
     bucket = args.floats * 4
@@ -138,11 +91,11 @@ async def measure(path: str, n: int, args: argparse.Namespace) -> dict[str, Any]
                     wall.append(w)
         for worker in workers:
             for k, t in trainer.items():
-                if not torch.equal(worker.params[k], t):
+                if not torch.equal(worker.parameters[k], t):
                     raise AssertionError(f"{worker.name} does not hold {k}")
     finally:
         for worker in workers:
-            worker.receiver.close()
+            worker.close()
     return {
         "path": path,
         "workers": n,

@@ -13,9 +13,10 @@ One run, all in one process (the coordinator's), torch at one thread (``--thread
   so the ratio 64-device / 2-device push compares the same bytes copied into workers.
   A third row, 2 devices with the small buckets, shows the per-worker cost at few
   workers for the same bytes per device;
-- **in-process workers**: :class:`InProcessWorker` below, the ``Worker`` protocol over
-  a :class:`~asyncrefit.ParameterReceiver` (shared memory, copies for real, on the
-  coordinator's loop: the copies serialize with the coordinator's own work);
+- **in-process workers**: :class:`~asyncrefit.tools._inprocess.InProcessWorker`, the
+  ``Worker`` protocol over a :class:`~asyncrefit.ParameterReceiver` (shared memory,
+  copies for real, on the coordinator's loop: the copies serialize with the
+  coordinator's own work);
 - **local processes**: ``asyncrefit.local.spawn_local_workers`` (one thread each);
 - one warm-up push, verified bitwise on every worker against the trainer, then
   ``--repeats`` timed pushes (wall clock around ``refit.push``, median), verified
@@ -61,7 +62,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -70,20 +71,17 @@ import anyio
 import torch
 
 from asyncrefit import (
-    DeviceId,
     LocalTrainer,
-    ParameterReceiver,
     ParamSpec,
     RefitCoordinator,
     cpu_device,
 )
 from asyncrefit._worker._receiver import tensor_digest
-from asyncrefit.abc import BucketAck
 from asyncrefit.planning import plan_buckets
+from asyncrefit.tools._inprocess import InProcessWorker
 from asyncrefit.tools._machine import machine_info, machine_line
 from asyncrefit.tools._table import append_to_section
 from asyncrefit.tools.bench import module_from_specs
-from asyncrefit.transport import Handle
 from asyncrefit.transport.shm import SharedMemoryExporter
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
@@ -116,57 +114,6 @@ def zero_model(specs: Sequence[ParamSpec]) -> torch.nn.Module:
 
 
 # --- the in-process worker -------------------------------------------------------------
-
-
-@dataclass
-class InProcessWorker:
-    """A :class:`~asyncrefit.abc.Worker` over a :class:`ParameterReceiver` in this process.
-
-    Loads copy on the calling loop (blocking it for the copy), as an in-process
-    engine would; ``load_seconds`` sums the wall time spent in ``ParameterReceiver.load``.
-    """
-
-    name: str
-    device: DeviceId
-    parameters: dict[str, torch.Tensor]
-    load_seconds: float = 0.0
-    receiver: ParameterReceiver = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.receiver = ParameterReceiver(self.parameters, self.device)
-
-    async def report_device_id_async(self) -> DeviceId:
-        return self.device
-
-    async def parameter_specs(self) -> Sequence[ParamSpec]:
-        return self.receiver.specs()
-
-    async def begin_update(self, version: int) -> None:
-        self.receiver.begin(version)
-
-    async def load_bucket(
-        self, version: int, bucket: int, handles: tuple[Handle, ...]
-    ) -> BucketAck:
-        t = time.perf_counter()
-        try:
-            return self.receiver.load(version, bucket, handles)
-        finally:
-            self.load_seconds += time.perf_counter() - t
-
-    async def commit_update(self, version: int, buckets: int) -> None:
-        self.receiver.commit(version, buckets)
-
-    async def abort_update(self, version: int) -> None:
-        self.receiver.abort(version)
-
-    async def weight_version(self) -> int | None:
-        return self.receiver.version
-
-    async def release_handles(self) -> None:
-        self.receiver.release_handles()
-
-    async def parameter_digests(self) -> dict[str, str]:
-        return {n: tensor_digest(t) for n, t in self.parameters.items()}
 
 
 # --- the copy replay (the limit, and what is subtracted) -------------------------------

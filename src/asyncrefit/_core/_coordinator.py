@@ -330,8 +330,9 @@ class RefitCoordinator(EventSource):
                 died=self._settled,
             )
             if found is None:
-                direct.discard(member)
-                await source.detach(member.name)
+                if member in direct:  # it exported before, and no longer does
+                    direct.discard(member)
+                    await source.detach(member.name)
             elif await source.attach(member.name, found, topology.plan):
                 direct.add(member)
             else:
