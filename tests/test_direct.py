@@ -17,8 +17,6 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
-import anyio
-import anyio.lowlevel
 import pytest
 import torch
 
@@ -407,7 +405,6 @@ async def test_cancel_at_every_scheduling_point_direct() -> None:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=16 * KIB) as refit:
             await cancel_at_every_point(refit, workers, model, lambda: digests(model))  # type: ignore[arg-type]
     assert own_segments() == []
-    assert len(asyncio.all_tasks()) >= 1
 
 
 @pytest.mark.timeout(180)
@@ -470,4 +467,3 @@ async def test_direct_push_into_gpu_workers_is_bitwise_equal() -> None:
                 await assert_hold(workers, model, version)
                 assert report.slots == 0
                 assert report.bytes_per_transport == {"direct": 2 * report.bytes}
-    await anyio.lowlevel.checkpoint()

@@ -46,18 +46,12 @@ from .._exceptions import (
     WorkerTimeoutError,
     primary_error,
 )
-from .._protocols import (
-    DirectWorker,
-    OrderedSource,
-    PushEndingSource,
-    TransmittingSource,
-    WritingSource,
-)
+from .._protocols import OrderedSource, PushEndingSource, TransmittingSource
 from .._wire._errors import WORKER, map_exceptions, raised_errors
 
 if TYPE_CHECKING:
     from .._device import DeviceId
-    from .._protocols import TrainerSource
+    from .._protocols import DirectWorker, TrainerSource, WritingSource
     from .._wire._messages import LoadSizes
     from ..transport._base import Handle
     from ._budget import ByteBudget
