@@ -16,10 +16,14 @@ pushed into the engine by:
 - **limit** (the one-copy limit): a device-to-device ``copy_`` of the trainer's 291
   tensors into preallocated tensors of the same shapes, in this process, one stream,
   synchronized (13.48 GB read + 13.48 GB written); CUDA events;
-- **asyncrefit staged**: ``RefitCoordinator`` with ``LocalTrainer(model,
-  exporter=CudaIpcExporter(0))`` into the workers of ``connect_llm(llm)``; buckets of
-  ``--budget-gib / 2``, budget two buckets (2 slots, ping-pong), as
-  ``benchmarks/cuda_ipc_bench.py`` chooses them;
+- **asyncrefit direct** (the default where the engine exports its parameters): the
+  same trainer writes the engine's own parameters by the copy plan the engine learned
+  from its loaders (``vllm/_direct.py``), on its stream, one copy per byte; no bucket
+  is loaded and nothing is staged (the budget bounds what one write call covers);
+- **asyncrefit staged**: ``RefitCoordinator(direct_write=False)`` with
+  ``LocalTrainer(model, exporter=CudaIpcExporter(0))`` into the workers of
+  ``connect_llm(llm)``; buckets of ``--budget-gib / 2``, budget two buckets (2 slots,
+  ping-pong), as ``benchmarks/cuda_ipc_bench.py`` chooses them;
 - **asyncrefit zero-copy**: the same with ``CudaSharedParameterTrainer(model)`` (the
   trainer's parameters moved into CUDA IPC-shared slabs: no pack, one copy);
 - **vLLM IPC, packed / unpacked**: vLLM's own ``"ipc"`` weight-transfer backend, on a
@@ -104,6 +108,7 @@ TINY: dict[str, Any] = {
     "num_key_value_heads": 4,
 }
 
+DIRECT = "asyncrefit direct"
 STAGED = "asyncrefit staged"
 ZERO_COPY = "asyncrefit zero-copy"
 IPC_PACKED = "vLLM IPC packed"
@@ -361,6 +366,7 @@ async def asyncrefit_row(
     model: torch.nn.Module,
     *,
     zero_copy: bool,
+    direct: bool = False,
     budget_bytes: int,
     warmup: int,
     repeats: int,
@@ -387,7 +393,11 @@ async def asyncrefit_row(
     async with (
         connect_llm(llm) as workers,
         RefitCoordinator(
-            trainer=source, workers=workers, budget_bytes=slots_bytes, bucket_bytes=bucket_bytes
+            trainer=source,
+            workers=workers,
+            budget_bytes=slots_bytes,
+            bucket_bytes=bucket_bytes,
+            direct_write=direct,
         ) as refit,
     ):
 
@@ -405,6 +415,7 @@ async def asyncrefit_row(
         budget_bytes=slots_bytes,
         buckets=report.buckets,
         bytes=report.bytes,
+        transports=sorted(report.bytes_per_transport),
         stages_ms={k: v * 1e3 for k, v in dataclasses.asdict(report.stages).items()},
     )
 
@@ -624,13 +635,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say("starting the asyncrefit engine")
         try:
             with engine(workdir, load_format="safetensors", **common, **engine_args()) as llm:
-                for name, zero_copy in ((STAGED, False), (ZERO_COPY, True)):
+                for name, zero_copy, direct in (
+                    (DIRECT, False, True),
+                    (STAGED, False, False),
+                    (ZERO_COPY, True, False),
+                ):
                     call = functools.partial(
                         asyncrefit_row,
                         name,
                         llm,
                         model,
                         zero_copy=zero_copy,
+                        direct=direct,
                         budget_bytes=int(args.budget_gib * GIB),
                         warmup=args.warmup,
                         repeats=args.repeats,
@@ -639,7 +655,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     run_row(rows, name, functools.partial(anyio.run, call, backend="asyncio"))
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
-            _fail_missing(rows, (STAGED, ZERO_COPY), f"engine: {exc!r}")
+            _fail_missing(rows, (DIRECT, STAGED, ZERO_COPY), f"engine: {exc!r}")
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -709,20 +725,23 @@ def format_table(result: dict[str, Any]) -> str:
             f"destination ({limit['destination_bytes'] / MIB:.0f} MiB) is allocated before "
             "the timing"
         )
-    staged = rows.get(STAGED, {})
-    for other in (IPC_PACKED, IPC_UNPACKED):
-        o = rows.get(other, {})
-        if "median_ms" in staged and "median_ms" in o:
-            lines.append(
-                f"{STAGED} vs {other}: {o['median_ms'] / staged['median_ms']:.2f}x faster "
-                "(median over median)"
-            )
+    for ours in (DIRECT, STAGED):
+        mine = rows.get(ours, {})
+        for other in (IPC_PACKED, IPC_UNPACKED):
+            o = rows.get(other, {})
+            if "median_ms" in mine and "median_ms" in o:
+                lines.append(
+                    f"{ours} vs {other}: {o['median_ms'] / mine['median_ms']:.2f}x faster "
+                    "(median over median)"
+                )
     for r in result["rows"]:
         if "stages_ms" in r:
             s = ", ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items())
+            via = "+".join(r.get("transports", ["?"]))
             lines.append(
                 f"{r['name']}: {r['buckets']} buckets of <= {r['bucket_bytes'] // MIB} MiB, "
-                f"budget {r['budget_bytes'] / MIB:.0f} MiB; last push's stages (ms): {s}"
+                f"budget {r['budget_bytes'] / MIB:.0f} MiB, via {via}; "
+                f"last push's stages (ms): {s}"
             )
         if r.get("check", "OK") != "OK":
             lines.append(f"{r['name']}: {r['check']}")
@@ -742,7 +761,8 @@ INTRO = f"""
 
 A `vllm.LLM` on one GPU (enforce-eager, bf16) serving Llama-2-7B shapes (291 tensors,
 13.48 GB), refit from a `transformers` trainer in the same process on the same GPU by
-asyncrefit (staged through 2 CUDA IPC slots, and zero-copy from IPC-shared slabs) and
+asyncrefit (written directly into the engine's parameters by its copy plan, staged
+through 2 CUDA IPC slots, and zero-copy from IPC-shared slabs) and
 by vLLM's own `"ipc"` weight-transfer backend (packed and unpacked, on an engine of its
 own), against the one-copy limit (a device-to-device `copy_` of every tensor, CUDA
 events) measured in the same run. Wall clock around each whole refit after warm-ups;

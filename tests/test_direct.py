@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import secrets
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -33,7 +36,14 @@ from asyncrefit import (
 from asyncrefit.abc import DirectWorker, WritingSource
 from asyncrefit.events import BucketPacked, PushEvent
 from asyncrefit.local import spawn_local_workers
-from asyncrefit.transport.destinations import Destinations, share_parameters
+from asyncrefit.transport.destinations import (
+    DestinationEntry,
+    Destinations,
+    Region,
+    layout,
+    share_parameters,
+    views,
+)
 from asyncrefit.transport.shm import list_segments
 
 from .fakes import DirectFakeWorker, FakeWorker
@@ -467,3 +477,185 @@ async def test_direct_push_into_gpu_workers_is_bitwise_equal() -> None:
                 await assert_hold(workers, model, version)
                 assert report.slots == 0
                 assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+
+
+# --- destinations made of blocks (an engine that fuses and shards) ---------------------
+
+
+@dataclasses.dataclass
+class FusedWorker(FakeWorker):
+    """Holds :func:`make_mlp`'s tensors the way an engine with fused parameters does,
+    in a shared-memory segment it exports (see ``layout`` below): whole tensors, column
+    blocks of a tensor in two parameters, a tensor strided as a column of a matrix, and
+    one tensor in two places. ``group`` is its ``direct_group``; ``exports`` off makes
+    it export nothing."""
+
+    group: str | None = None
+    exports: bool = True
+
+    def __post_init__(self) -> None:
+        from asyncrefit.transport.shm import _Segment, segment_name
+
+        super().__post_init__()
+        self.fused = torch.zeros(320, 64)  # rows 0:256 <- 0.weight, 256:320 <- 2.weight[:, :64]
+        self.rest = torch.zeros(64, 192)  # <- 2.weight[:, 64:]
+        self.cols = torch.zeros(256, 2)  # column 0 <- 0.bias
+        self.bias = torch.zeros(2, 64)  # both rows <- 2.bias
+        held = {"fused": self.fused, "rest": self.rest, "cols": self.cols, "bias": self.bias}
+        entries, nbytes = layout(held)
+        self.segment = _Segment.create(segment_name(secrets.token_hex(4), 0, 0), nbytes)
+        assert self.segment.tensor is not None
+        where = {e.name: e for e in entries}
+        with torch.no_grad():
+            for name, t in held.items():
+                t.data = views([self.segment.tensor], entries)[name]
+
+        def at(name: str, t: torch.Tensor) -> int:
+            return where[name].offset + (t.storage_offset() - held[name].storage_offset()) * 4
+
+        def entry(source: str, held_name: str, t: torch.Tensor, box: object = None) -> Any:
+            return DestinationEntry(
+                name=source,
+                region=0,
+                offset=at(held_name, t),
+                shape=tuple(t.shape),
+                dtype="float32",
+                strides=None if t.is_contiguous() else tuple(t.stride()),
+                source_box=box,  # type: ignore[arg-type]
+            )
+
+        self.exported = Destinations(
+            kind="shm",
+            device=self.device,
+            regions=(Region(nbytes=nbytes, segment=self.segment.name),),
+            entries=(
+                entry("0.weight", "fused", self.fused[0:256]),
+                entry("2.weight", "fused", self.fused[256:320], ((0, 64), (0, 64))),
+                entry("2.weight", "rest", self.rest, ((0, 64), (64, 256))),
+                entry("0.bias", "cols", self.cols[:, 0]),
+                entry("2.bias", "bias", self.bias[0]),
+                entry("2.bias", "bias", self.bias[1]),
+            ),
+        )
+
+    @property
+    def direct_group(self) -> str | None:
+        return self.group
+
+    async def destinations(self) -> Destinations | None:
+        await anyio.lowlevel.checkpoint()
+        self.calls.append(("destinations", 0))
+        return self.exported if self.exports else None
+
+    async def begin_direct(self, version: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.calls.append(("begin_direct", version))
+        self.receiver.sink.begin(version)
+        self.receiver.state.begin(version, direct=True)
+
+    def holds(self, model: torch.nn.Module) -> bool:
+        p = {n: t.detach() for n, t in model.named_parameters()}
+        return (
+            torch.equal(self.fused[:256], p["0.weight"])
+            and torch.equal(self.fused[256:], p["2.weight"][:, :64])
+            and torch.equal(self.rest, p["2.weight"][:, 64:])
+            and torch.equal(self.cols[:, 0], p["0.bias"])
+            and not torch.any(self.cols[:, 1])
+            and torch.equal(self.bias[0], p["2.bias"])
+            and torch.equal(self.bias[1], p["2.bias"])
+        )
+
+    def close(self) -> None:
+        self.segment.close()
+        from asyncrefit.transport.shm import _unlink
+
+        _unlink(self.segment.name)
+
+
+def fused_worker(name: str, model: torch.nn.Module, **kwargs: Any) -> FusedWorker:
+    params = {n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()}
+    return FusedWorker(name=name, device=cpu_device(0), parameters=params, **kwargs)
+
+
+@pytest.mark.parametrize("budget", [256 * KIB, 16 * KIB], ids=["whole", "parts"])
+async def test_blocks_of_tensors_are_written_into_fused_and_strided_places(budget: int) -> None:
+    """Destinations as an engine's copy plan gives them: blocks of a tensor in several
+    parameters, a strided place, one tensor in two places; tensors sent whole or in
+    parts of rows (each part writes where its rows land in each block)."""
+    model = make_mlp()
+    worker = fused_worker("fused", model)
+    try:
+        async with RefitCoordinator(trainer=model, workers=[worker], budget_bytes=budget) as refit:
+            for version in (1, 2):
+                step(model, version)
+                report = await refit.push(version)
+                assert report.bytes_per_transport == {"direct": report.bytes}
+                assert worker.holds(model)
+                assert await worker.weight_version() == version
+            if budget < 64 * KIB:
+                assert any(e.part for b in refit.plan.buckets for e in b.entries)
+    finally:
+        worker.close()
+    assert own_segments() == []
+
+
+async def test_workers_of_one_group_are_all_written_directly_or_none() -> None:
+    """The ranks of one engine take their steps together: when one of them exports
+    nothing, its peers are staged too (and written in full by the staged path)."""
+    model = make_mlp()
+    exporting = fused_worker("e/rank-0", model, group="e")
+    silent = fused_worker("e/rank-1", model, group="e", exports=False)
+    other = fused_worker("other", model, group="f")
+    try:
+        async with RefitCoordinator(
+            trainer=model, workers=[exporting, silent, other], budget_bytes=256 * KIB
+        ) as refit:
+            step(model, 1)
+            report = await refit.push(1)
+            assert report.bytes_per_transport == {"direct": report.bytes, "shm": 2 * report.bytes}
+            assert other.holds(model)
+            assert ("begin", 1) in exporting.calls and ("begin", 1) in silent.calls
+            for w in (exporting, silent):
+                assert receiver_holds(w, model)
+    finally:
+        for w in (exporting, silent, other):
+            w.close()
+    assert own_segments() == []
+
+
+def receiver_holds(worker: FakeWorker, model: torch.nn.Module) -> bool:
+    return all(torch.equal(worker.parameters[n], p.detach()) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"strides": (1,)}, "strides"),
+        ({"strides": (-1, 1)}, "strides"),
+        ({"source_box": ((0, 5), (0, 64))}, "block"),
+        ({"shape": (-1, 64)}, "shape"),
+        ({"strides": (1 << 40, 1)}, "does not fit"),
+    ],
+)
+async def test_hostile_blocks_are_refused_before_any_byte_moves(
+    entry: dict[str, Any], match: str
+) -> None:
+    model = make_mlp()
+    worker = fused_worker("fused", model)
+    first = worker.exported.entries[1]
+    worker.exported = dataclasses.replace(
+        worker.exported,
+        entries=(
+            worker.exported.entries[0],
+            dataclasses.replace(first, **entry),
+            *worker.exported.entries[2:],
+        ),
+    )
+    try:
+        with pytest.raises(TransportError, match=match):
+            async with RefitCoordinator(trainer=model, workers=[worker], budget_bytes=256 * KIB):
+                pass
+        assert not torch.any(worker.fused) and not torch.any(worker.rest)
+    finally:
+        worker.close()
+    assert own_segments() == []

@@ -222,6 +222,16 @@ async def test_llm_three_pushes_follow_the_trainer(llm: LLM, checkpoint: Path) -
             assert await workers[0].weight_version() == version
 
 
+async def test_llm_on_the_cpu_build_is_not_written_directly(llm: LLM) -> None:
+    """vLLM's CPU build packs a copy of each linear weight after loading: writing the
+    parameters would not reach it, so the rank exports nothing and pushes load
+    buckets through vLLM's reload (``test_vllm_direct.py`` turns the packing off)."""
+    (status,) = llm.collective_rpc("asyncrefit_direct_status")
+    assert status["direct"] is False
+    # Only the 5 norms (2 layers x 2, and the last) are plain copies here.
+    assert "16 of its 21 checkpoint tensors are not plain copies" in status["why_not"]
+
+
 async def test_llm_refuses_bad_input_before_any_byte_moves(llm: LLM, checkpoint: Path) -> None:
     model = load_trainer(checkpoint)
     perturb(model, seed=11)

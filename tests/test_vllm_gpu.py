@@ -40,7 +40,7 @@ import pytest_asyncio
 import torch
 
 from asyncrefit import LocalTrainer, PushError, RefitCoordinator, SourceError
-from asyncrefit.events import BucketAcked, PushEvent
+from asyncrefit.events import BucketAcked, BucketPacked, PushEvent
 from asyncrefit.trainer import RankSource
 from asyncrefit.vllm import connect_async_llm, connect_llm
 
@@ -216,15 +216,26 @@ def stale(model: Any, prompts: Sequence[Sequence[int]], got: list[list[int]]) ->
 # --- LLM, untied and tied --------------------------------------------------------------
 
 
+def transports(direct: bool) -> set[str]:
+    """How a push reaches the engine: written directly on a GPU (unquantized weights
+    are kept as loaded), staged on the CPU build (it packs a copy of each linear)."""
+    if ON_CPU:
+        return {"shm"}
+    return {"direct"} if direct else {"cuda_ipc"}
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 async def test_llm_three_pushes_after_optimizer_steps_follow_the_trainer(
-    dense: tuple[LLM, Path],
+    dense: tuple[LLM, Path], direct: bool
 ) -> None:
     llm, path = dense
     model, optimizer = gpu_trainer(path)
     prompts = [*PROMPTS, *prefixed(block_size(llm))]
     async with (
         connect_llm(llm) as workers,
-        RefitCoordinator(trainer=cuda_source(model), workers=workers, budget_bytes=BIG) as refit,
+        RefitCoordinator(
+            trainer=cuda_source(model), workers=workers, budget_bytes=BIG, direct_write=direct
+        ) as refit,
     ):
         assert ON_CPU or refit.devices[workers[0].name].device.startswith("GPU-")
         for version in (1, 2, 3):
@@ -236,7 +247,7 @@ async def test_llm_three_pushes_after_optimizer_steps_follow_the_trainer(
             seconds = time.perf_counter() - start
             got = await anyio.to_thread.run_sync(tokens, llm, prompts)
             assert follows(model, prompts, got), version
-            assert report.bytes_per_transport.keys() == {"shm" if ON_CPU else "cuda_ipc"}
+            assert report.bytes_per_transport.keys() == transports(direct)
             assert await workers[0].weight_version() == version
             if features().weight_versions:
                 assert llm.llm_engine.get_weight_version() == str(version)
@@ -269,22 +280,28 @@ async def test_async_llm_three_pushes_while_serving_follow_the_trainer(
             assert await workers[0].weight_version() == version
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 async def test_async_llm_cancelled_push_leaves_the_engine_serving(
-    async_engine: tuple[Any, Path],
+    async_engine: tuple[Any, Path], direct: bool
 ) -> None:
     engine, path = async_engine
     model, optimizer = gpu_trainer(path)
     prompts = [*PROMPTS, *prefixed(block_size(engine))]
     async with (
         connect_async_llm(engine) as workers,
-        RefitCoordinator(trainer=cuda_source(model), workers=workers, budget_bytes=SMALL) as refit,
+        RefitCoordinator(
+            trainer=cuda_source(model), workers=workers, budget_bytes=SMALL, direct_write=direct
+        ) as refit,
     ):
-        await refit.push(1)
+        report = await refit.push(1)
+        assert report.bytes_per_transport.keys() == transports(direct)
         train_step(model, optimizer, seed=21)
         acked = anyio.Event()
+        # A bucket is in: acknowledged by the engine (staged), or written (direct).
+        written = BucketPacked if "direct" in transports(direct) else BucketAcked
 
         def on_event(event: PushEvent) -> None:
-            if isinstance(event, BucketAcked):
+            if isinstance(event, written):
                 acked.set()
 
         unsubscribe = refit.subscribe(on_event)

@@ -44,8 +44,10 @@ from asyncrefit._wire._messages import (
     BeginUpdate,
     BucketAck,
     CommitUpdate,
+    DestinationsReply,
     DeviceReply,
     Done,
+    GetDestinations,
     GetSpecs,
     GetVersion,
     LoadBucket,
@@ -131,6 +133,8 @@ class FakeWorker:
                 return VersionReply(version=self.version)
             case ReleaseHandles():
                 return Done()
+            case GetDestinations():
+                return DestinationsReply(destinations=None)  # staged, as the CPU build
         raise AssertionError(f"unexpected request {request!r}")
 
 

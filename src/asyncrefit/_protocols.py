@@ -63,6 +63,10 @@ class DirectWorker(Worker, Protocol):
     time (it holds no complete version from then on, and serves nothing from them),
     and ``commit_update`` (with the plan's bucket count) once every byte is written,
     or ``abort_update``. No bucket is loaded.
+
+    Workers that take their steps together (the ranks of one vLLM engine) may name
+    the same ``direct_group`` (an optional attribute, a string): the coordinator then
+    writes all of them directly or none of them.
     """
 
     async def destinations(self) -> Destinations | None: ...

@@ -342,6 +342,20 @@ class RefitCoordinator(EventSource):
             async with anyio.create_task_group() as tg:
                 for member in members:
                     tg.start_soon(one, member)
+        # Workers of one group (the ranks of one engine) take their steps together:
+        # all of them are written directly, or none is.
+        groups: dict[str, list[Member]] = {}
+        for member in topology.routes:
+            group = getattr(member.worker, "direct_group", None)
+            if isinstance(group, str):
+                groups.setdefault(group, []).append(member)
+        for group, ranks in groups.items():
+            if any(m in direct for m in ranks) and not all(m in direct for m in ranks):
+                logger.info("workers of %r are not all written directly: all staged", group)
+                for m in ranks:
+                    if m in direct:
+                        direct.discard(m)
+                        await self._sources[topology.routes[m]].detach(m.name)
         return topology.with_direct(direct)
 
     # --- membership -------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._exceptions import ClosedError, ParameterMismatchError
-from ..transport.destinations import OpenedDestinations, open_destinations
+from ..transport.destinations import Box, OpenedDestinations, open_destinations
 from ._slices import Slices, rows_of
 
 if TYPE_CHECKING:
@@ -51,8 +51,8 @@ class DirectWriter:
 
     def _init_direct(self) -> None:
         self._attached: dict[str, OpenedDestinations] = {}
-        # (bucket index, workers) -> (every destination, its entry), in write order.
-        self._targets: dict[tuple[int, tuple[str, ...]], list[tuple[torch.Tensor, int]]] = {}
+        # (bucket index, workers) -> every place written, in write order.
+        self._targets: dict[tuple[int, tuple[str, ...]], list[Target]] = {}
 
     # Provided by the source this is mixed into.
     def _read(self) -> Mapping[str, torch.Tensor]:
@@ -162,20 +162,35 @@ class DirectWriter:
                 with self._packing(bucket.index, e):
                     sources.append(rows_of(self._tensor(tensors, bucket.index, e), e.part))
             with torch.no_grad():
-                plain = [sources[i] for _, i in targets]
+                plain = [_block(sources[i], box) for _, i, box in targets]
                 if all(isinstance(t, torch.Tensor) for t in plain) and _one_call(targets):
                     try:
-                        torch._foreach_copy_([d for d, _ in targets], plain)  # type: ignore[arg-type]
+                        torch._foreach_copy_([d for d, _, _ in targets], plain)  # type: ignore[arg-type]
                         return
                     except Exception:
                         pass  # one by one below: the failure then names its parameter
-                for dst, i in targets:
+                for (dst, i, box), source in zip(targets, plain, strict=True):
                     e = bucket.entries[i]
                     with self._packing(bucket.index, e):
-                        self._copy_into(dst, sources[i], e.name)
+                        if box is not None and source is sources[i]:  # a block to cut
+                            source = self._materialized(sources[i], dst.device, e.name)[box]
+                        self._copy_into(dst, source, e.name)
 
-    def _places(self, bucket: Bucket, workers: tuple[str, ...]) -> list[tuple[torch.Tensor, int]]:
-        places: list[tuple[torch.Tensor, int]] = []
+    def _materialized(
+        self, source: torch.Tensor | Slices, device: torch.device, name: str
+    ) -> torch.Tensor:
+        """An engine tensor made of several pieces, in a tensor of its own (a block
+        that is not rows of it is cut from that)."""
+        import torch
+
+        if isinstance(source, torch.Tensor):
+            return source
+        whole = torch.empty(source.shape, dtype=source.dtype, device=device)
+        self._copy_into(whole, source, name)
+        return whole
+
+    def _places(self, bucket: Bucket, workers: tuple[str, ...]) -> list[Target]:
+        places: list[Target] = []
         for worker in workers:
             opened = self._attached.get(worker)
             if opened is None:
@@ -183,9 +198,50 @@ class DirectWriter:
                     f"trainer source {self._name!r} has no destinations of worker {worker!r}"
                 )
             for i, e in enumerate(bucket.entries):
-                place = opened.views[e.name]
-                places.append((place if e.part is None else place[e.part[0] : e.part[1]], i))
+                for place, box in opened.places[e.name]:
+                    cut = _cut(place, box, e.part)
+                    if cut is not None:
+                        places.append((cut[0], i, cut[1]))
         return places
+
+
+#: Where one tensor of a bucket goes: the place, the entry's index in the bucket, and
+#: the block of the entry's tensor (as sent: rows of a part) written there (``None``:
+#: all of it).
+Target = tuple["torch.Tensor", int, "tuple[slice, ...] | None"]
+
+
+def _cut(
+    place: torch.Tensor, box: Box | None, part: tuple[int, int] | None
+) -> tuple[torch.Tensor, tuple[slice, ...] | None] | None:
+    """The piece of ``place`` that a bucket entry (rows ``part`` of its tensor) fills,
+    and the block of the entry that goes there; ``None`` if it fills nothing."""
+    if box is None:
+        return (place if part is None else place[part[0] : part[1]]), None
+    block = [slice(a, b) for a, b in box]
+    if part is None:
+        return place, tuple(block)
+    if not box:
+        return place, ()
+    (r0, r1), (a, b) = box[0], part
+    lo, hi = max(a, r0), min(b, r1)
+    if lo >= hi:
+        return None
+    block[0] = slice(lo - a, hi - a)
+    return place[lo - r0 : hi - r0], tuple(block)
+
+
+def _block(source: torch.Tensor | Slices, box: tuple[slice, ...] | None) -> torch.Tensor | Slices:
+    """The block ``box`` of ``source``: a view of a plain tensor, rows of pieces; other
+    blocks of pieces are cut when written (see ``DirectWriter._write``)."""
+    if box is None:
+        return source
+    if isinstance(source, Slices):
+        rest = box[1:]
+        if all(s.start == 0 and s.stop == n for s, n in zip(rest, source.shape[1:], strict=True)):
+            return source.rows(box[0].start, box[0].stop) if box else source
+        return source  # cut from the whole, once written
+    return source[box]
 
 
 #: A GPU bucket whose copies average at least this many bytes is written one copy per
@@ -193,13 +249,13 @@ class DirectWriter:
 _PER_TENSOR_BYTES = 1 << 20
 
 
-def _one_call(targets: list[tuple[torch.Tensor, int]]) -> bool:
+def _one_call(targets: list[Target]) -> bool:
     if not targets:
         return False
     first = targets[0][0]
     if first.device.type == "cpu":
         return True
-    nbytes = sum(d.numel() * d.element_size() for d, _ in targets)
+    nbytes = sum(d.numel() * d.element_size() for d, _, _ in targets)
     return nbytes < _PER_TENSOR_BYTES * len(targets)
 
 
@@ -215,14 +271,27 @@ def _check_places(worker: str, opened: OpenedDestinations, plan: Plan) -> None:
     from .._dtypes import dtype_name
 
     for spec in plan.params:
-        place = opened.views.get(spec.name)
-        if place is None:
+        places = opened.places.get(spec.name)
+        if not places:
             raise ParameterMismatchError(worker, spec.name, "has no place in its destinations")
-        got = (tuple(place.shape), dtype_name(place.dtype))
-        if got != (tuple(spec.shape), spec.dtype):
-            raise ParameterMismatchError(
-                worker,
-                spec.name,
-                f"its destination is {got[1]}{list(got[0])}, the plan sends "
-                f"{spec.dtype}{list(spec.shape)}",
-            )
+        shape = tuple(spec.shape)
+        for place, box in places:
+            got = (tuple(place.shape), dtype_name(place.dtype))
+            if box is None and got != (shape, spec.dtype):
+                raise ParameterMismatchError(
+                    worker,
+                    spec.name,
+                    f"its destination is {got[1]}{list(got[0])}, the plan sends "
+                    f"{spec.dtype}{list(shape)}",
+                )
+            if box is not None and (
+                got[1] != spec.dtype
+                or len(box) != len(shape)
+                or any(not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False))
+            ):
+                raise ParameterMismatchError(
+                    worker,
+                    spec.name,
+                    f"its destination holds block {[list(b) for b in box]} as {got[1]}, "
+                    f"the plan sends {spec.dtype}{list(shape)}",
+                )

@@ -61,19 +61,40 @@ class Region:
     storage_offset: int = 0
 
 
+#: A block of a tensor: ``(start, stop)`` along each dimension.
+Box = tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DestinationEntry:
-    """Where one parameter lives: ``offset`` bytes into region ``region``, contiguous."""
+    """Where (a block of) one parameter lives: ``offset`` bytes into region ``region``.
+
+    The place is contiguous unless ``strides`` (in elements) says otherwise. It holds
+    the whole tensor ``name``, or with ``source_box`` the block of it that box names
+    (its extents are ``shape``): an engine that fuses or shards tensors holds a
+    checkpoint tensor as blocks of its own parameters. A name may have several
+    entries (one tensor written to several places).
+    """
 
     name: str
     region: int
     offset: int
     shape: tuple[int, ...]
     dtype: str
+    strides: tuple[int, ...] | None = None
+    source_box: Box | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch_dtype(self.dtype).itemsize
+
+    @property
+    def extent(self) -> int:
+        """The bytes from the place's first element to just past its last."""
+        if self.strides is None or math.prod(self.shape) == 0:
+            return self.nbytes
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+        return (last + 1) * torch_dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,12 +124,31 @@ class Destinations:
         misaligned for its dtype (a view there could not be made, or would reach past)."""
         for e in self.entries:
             size = torch_dtype(e.dtype).itemsize
+            if any(n < 0 for n in e.shape):
+                raise TransportError(f"destination of {e.name!r} has shape {list(e.shape)}")
+            if e.strides is not None and (
+                len(e.strides) != len(e.shape) or any(s < 0 for s in e.strides)
+            ):
+                raise TransportError(
+                    f"destination of {e.name!r} has strides {list(e.strides)} "
+                    f"for shape {list(e.shape)}"
+                )
+            if e.source_box is not None and (
+                len(e.source_box) != len(e.shape)
+                or any(
+                    b - a != n or a < 0 for (a, b), n in zip(e.source_box, e.shape, strict=False)
+                )
+            ):
+                raise TransportError(
+                    f"destination of {e.name!r} takes block {list(e.source_box)}, "
+                    f"which is not of its shape {list(e.shape)}"
+                )
             if e.region == -1 and e.nbytes == 0:
                 continue  # an empty tensor lives nowhere
             if not 0 <= e.region < len(self.regions):
                 raise TransportError(f"destination of {e.name!r} names no region ({e.region})")
             region = self.regions[e.region].nbytes
-            if e.offset < 0 or e.offset % size or e.offset + e.nbytes > region:
+            if e.offset < 0 or e.offset % size or e.offset + e.extent > region:
                 raise TransportError(
                     f"destination of {e.name!r} ({e.dtype}{list(e.shape)} at byte {e.offset}) "
                     f"does not fit its region of {region} bytes"
@@ -128,21 +168,25 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[DestinationEntry,
     return tuple(entries), max(1, offset)
 
 
+def place(regions: Sequence[torch.Tensor], e: DestinationEntry) -> torch.Tensor:
+    """The entry's place in its flat ``uint8`` region, shaped and of its dtype."""
+    import torch
+
+    dtype = torch_dtype(e.dtype)
+    if e.region == -1:
+        device = regions[0].device if regions else torch.device("cpu")
+        return torch.empty(e.shape, dtype=dtype, device=device)
+    raw = regions[e.region][e.offset : e.offset + e.extent].view(dtype)
+    if e.strides is None:
+        return raw.view(e.shape)
+    return raw.as_strided(e.shape, e.strides)
+
+
 def views(
     regions: Sequence[torch.Tensor], entries: tuple[DestinationEntry, ...]
 ) -> dict[str, torch.Tensor]:
-    """Each entry's place in its flat ``uint8`` region, shaped and of its dtype."""
-    import torch
-
-    device = regions[0].device if regions else torch.device("cpu")
-    return {
-        e.name: torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=device)
-        if e.region == -1
-        else regions[e.region][e.offset : e.offset + e.nbytes]
-        .view(torch_dtype(e.dtype))
-        .view(e.shape)
-        for e in entries
-    }
+    """Each entry's place by name (entries of whole, contiguous tensors: one each)."""
+    return {e.name: place(regions, e) for e in entries}
 
 
 class SharedParameters:
@@ -261,19 +305,22 @@ def _share_cuda(
 
 
 class OpenedDestinations:
-    """A worker's regions as the trainer mapped them: ``views`` by parameter name.
+    """A worker's regions as the trainer mapped them: ``places`` by tensor name.
 
-    :meth:`close` drops the views and the mappings (idempotent); the worker's
-    parameters are not affected.
+    Each name has one or more places, each with the block of the tensor it holds
+    (``None``: all of it). :meth:`close` drops the views and the mappings
+    (idempotent); the worker's parameters are not affected.
     """
 
     def __init__(self, destinations: Destinations, regions: Sequence[torch.Tensor]) -> None:
         self.destinations = destinations
-        self.views: dict[str, torch.Tensor] = views(regions, destinations.entries)
+        self.places: dict[str, list[tuple[torch.Tensor, Box | None]]] = {}
+        for e in destinations.entries:
+            self.places.setdefault(e.name, []).append((place(regions, e), e.source_box))
         self.device = regions[0].device if regions else None
 
     def close(self) -> None:
-        self.views = {}
+        self.places = {}
 
 
 def unlink_segments(destinations: Destinations) -> None:

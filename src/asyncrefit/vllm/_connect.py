@@ -37,6 +37,7 @@ from .._wire._messages import (
     VersionReply,
 )
 from ..transport._base import Handle
+from ..transport.destinations import Destinations
 from ._channels import ChannelStatistics
 from ._link import CLEANUP_TIMEOUT, _EngineLink
 from ._ops import PauseMode, _AsyncLLMOps, _LLMOps
@@ -67,7 +68,12 @@ class VLLMWorker:
 
     A push pauses generation at begin (``AsyncLLM``, in the mode given), starts vLLM's
     weight update, loads every bucket through ``update_weights``, finishes the update
-    with the version as the engine's weight version, and resumes generation.
+    with the version as the engine's weight version, resets the prefix cache and
+    resumes generation. Where every rank of the engine exports its parameters (a copy
+    plan learned from the model's own loaders covers all of them: see
+    :mod:`asyncrefit.vllm._direct`) and the trainer runs on the same node, the trainer
+    writes them directly instead (:meth:`begin_direct`): no bucket is loaded, and the
+    session is the same.
 
     Error handling: a failure inside the worker raises :class:`WorkerRemoteError`
     naming this worker; a dead engine or broken channel :class:`WorkerDiedError`; a
@@ -110,8 +116,24 @@ class VLLMWorker:
         reply = await self._link.serve(self._rank, GetSpecs())
         return _reply_of(reply, self._name, SpecsReply).specs
 
+    @property
+    def direct_group(self) -> str:
+        """The engine: its ranks are written directly all together, or none of them."""
+        return self._link.name
+
+    async def destinations(self) -> Destinations | None:
+        """This rank's parameters as a trainer on its node writes them (``None``: the
+        engine's ranks are not all exported; see :mod:`asyncrefit.vllm._direct`)."""
+        return await self._link.destinations(self._rank)
+
     async def begin_update(self, version: int) -> None:
         reply = await self._link.begin(self._rank, version)
+        _reply_of(reply, self._name, Done)
+
+    async def begin_direct(self, version: int) -> None:
+        """Begin ``version`` as :meth:`begin_update` does (pausing generation), written
+        by the trainer into this rank's :meth:`destinations` rather than loaded."""
+        reply = await self._link.begin(self._rank, version, direct=True)
         _reply_of(reply, self._name, Done)
 
     async def load_bucket(

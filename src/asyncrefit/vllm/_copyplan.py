@@ -75,25 +75,87 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+def layer_of(name: str) -> int | None:
+    """The layer a tensor or parameter belongs to: the first number in its dotted
+    name (``model.layers.3.mlp.up_proj.weight`` -> 3), ``None`` for one outside the
+    numbered layers (embeddings, final norm, head)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
 def learn(
     model: torch.nn.Module,
     shapes: Mapping[str, Sequence[int]],
     *,
     load: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
     processed: Callable[[str], bool] | None = None,
+    group: Callable[[str], object] = layer_of,
 ) -> CopyPlan:
     """Learn where each of the checkpoint tensors ``shapes`` lands in ``model``.
 
     ``load`` loads ``(name, tensor)`` pairs into the model (default: its
     ``load_weights``); ``processed(parameter name)`` says whether the parameter's
-    layer derives state from it after loading (its sources are then staged). Every
-    parameter's data is restored afterwards, also when loading raises.
+    layer derives state from it after loading (its sources are then staged).
+
+    Memory is bounded by a group of layers, not the model: the tensors are learned
+    a group at a time (``group`` of a name, by default its layer), with the
+    parameters of that group swapped for float64 and every other parameter for an
+    empty tensor, so a loader that writes outside the group fails and its tensor is
+    staged. A tensor that lands nowhere is staged too. Every parameter's data is
+    restored afterwards, also when loading raises.
     """
     load = load if load is not None else model.load_weights  # type: ignore[assignment]
     assert load is not None
     params = dict(model.named_parameters(remove_duplicate=True))
     saved = {name: p.data for name, p in params.items()}
-    names = list(shapes)
+    device = next(iter(saved.values())).device if saved else torch.device("cpu")
+    groups: dict[object, list[str]] = {}
+    for name in shapes:
+        groups.setdefault(group(name), []).append(name)
+    copies: list[BlockCopy] = []
+    staged: set[str] = set()
+    total = 0
+    try:
+        with torch.no_grad():
+            for key, names in groups.items():
+                members = [n for n in params if group(n) == key]
+                for name, p in params.items():
+                    if name in members:
+                        p.data = torch.full(
+                            saved[name].shape, -1.0, dtype=torch.float64, device=device
+                        )
+                    else:
+                        p.data = torch.empty(0, dtype=torch.float64, device=p.device)
+                found, refused = _learn_group(
+                    load, names, shapes, {n: params[n] for n in members}, processed, device
+                )
+                copies.extend(found.copies)
+                staged.update(found.staged, refused)
+                total += found.source_elements
+    finally:
+        for name, p in params.items():
+            p.data = saved[name]
+    landed = {c.source for c in copies}
+    staged.update(n for n in shapes if n not in landed)
+    kept = tuple(c for c in copies if c.source not in staged)
+    return CopyPlan(
+        copies=kept,
+        staged=tuple(sorted(staged)),
+        copied_elements=sum(c.numel for c in kept),
+        source_elements=total,
+    )
+
+
+def _learn_group(
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+    names: list[str],
+    shapes: Mapping[str, Sequence[int]],
+    params: Mapping[str, torch.nn.Parameter],
+    processed: Callable[[str], bool] | None,
+    device: torch.device,
+) -> tuple[CopyPlan, set[str]]:
     bases: list[int] = []
     total = 0
     for name in names:
@@ -101,39 +163,21 @@ def learn(
         total += math.prod(shapes[name])
     if total >= 2**53:
         raise ValueError("too many elements to encode exactly in float64")
-    readback: dict[str, torch.Tensor] = {}
     refused: set[str] = set()
-    try:
-        with torch.no_grad():
-            for p in params.values():
-                p.data = torch.full(p.shape, -1.0, dtype=torch.float64, device=p.device)
-            device = next(iter(saved.values())).device if saved else torch.device("cpu")
-            # One tensor at a time: a tensor the loader refuses (a layer whose weight
-            # was repacked after loading, so its parameter no longer has the
-            # checkpoint's shape) is left to the reload; the others are learned.
-            for name, base in zip(names, bases, strict=True):
-                n = math.prod(shapes[name])
-                values = torch.arange(base, base + n, dtype=torch.float64, device=device)
-                try:
-                    load([(name, values.view(tuple(shapes[name])))])
-                except Exception:
-                    refused.add(name)
-            for name, p in params.items():
-                readback[name] = p.data.detach().cpu()
-    finally:
-        for name, p in params.items():
-            p.data = saved[name]
+    # One tensor at a time: a tensor the loader refuses (a layer whose weight was
+    # repacked after loading, so its parameter no longer has the checkpoint's shape; a
+    # parameter outside this group) is left to the reload; the others are learned.
+    for name, base in zip(names, bases, strict=True):
+        n = math.prod(shapes[name])
+        values = torch.arange(base, base + n, dtype=torch.float64, device=device)
+        try:
+            load([(name, values.view(tuple(shapes[name])))])
+        except Exception:
+            refused.add(name)
+        del values
+    readback = {name: p.data for name, p in params.items()}
     plan = _read(readback, names, bases, shapes, total, processed or (lambda _: False))
-    if not refused:
-        return plan
-    staged = set(plan.staged) | refused
-    copies = tuple(c for c in plan.copies if c.source not in staged)
-    return CopyPlan(
-        copies=copies,
-        staged=tuple(sorted(staged)),
-        copied_elements=sum(c.numel for c in copies),
-        source_elements=total,
-    )
+    return plan, refused
 
 
 def _read(
@@ -146,8 +190,8 @@ def _read(
 ) -> CopyPlan:
     staged: set[str] = set()
     copies: list[BlockCopy] = []
-    edges = torch.tensor(bases, dtype=torch.float64)
     for target, values in readback.items():
+        edges = torch.tensor(bases, dtype=torch.float64, device=values.device)
         written = values >= 0
         if not bool(written.any()):
             continue
@@ -203,10 +247,24 @@ def _block(
     source_box = tuple((s, s + e) for s, e in zip(start, extent, strict=True))
     if any(b > n for (_, b), n in zip(source_box, shape, strict=True)):
         return None
-    expected = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)[_slices(source_box)]
+    strides = torch.tensor(
+        [math.prod(shape[d + 1 :]) for d in range(len(shape))], dtype=torch.int64
+    )
+    first = sum(s * st for s, st in zip(start, strides.tolist(), strict=True))
+    expected = _grid(extent, strides, values.device) + first
     if not torch.equal(expected, local):
         return None
     return BlockCopy(source=source, source_box=source_box, target=target, target_box=target_box)
+
+
+def _grid(extent: Sequence[int], strides: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The row-major positions of a block of ``extent`` in a tensor of ``strides``,
+    relative to the block's first element (without materializing the whole tensor)."""
+    grid = torch.zeros((), dtype=torch.int64, device=device)
+    for d, n in enumerate(extent):
+        axis = torch.arange(n, dtype=torch.int64, device=device) * int(strides[d])
+        grid = grid.unsqueeze(-1) + axis
+    return grid
 
 
 def apply(

@@ -54,11 +54,14 @@ from .._wire._messages import (
     AbortUpdate,
     BeginUpdate,
     CommitUpdate,
+    DestinationsReply,
     ErrorReply,
+    GetDestinations,
     LoadBucket,
     Reply,
     Request,
 )
+from ..transport.destinations import Destinations
 from ._barrier import RankBarrier
 from ._channels import ChannelStatistics, RankChannels
 from ._ops import _EngineOps
@@ -253,8 +256,38 @@ class _EngineLink:
             raise self.translate(exc, rank) from exc
         return replies[rank]
 
-    async def begin(self, rank: int, version: int) -> Reply:
+    async def destinations(self, rank: int) -> Destinations | None:
+        """Every rank's exported parameters (each rank learns its copy plan the first
+        time): ``rank``'s, or ``None`` unless every rank exported (an engine's ranks
+        take the same steps, so they are all written directly or none is)."""
+        try:
+            replies = await self._exchange(
+                dict.fromkeys(range(self.world), GetDestinations()), "serve"
+            )
+        except Exception as exc:
+            raise self.translate(exc, rank) from exc
+        found: dict[int, Destinations | None] = {}
+        for r, reply in replies.items():
+            if isinstance(reply, ErrorReply):
+                raise self.translate(WORKER.from_reply(self.worker_name(r), reply), rank)
+            if not isinstance(reply, DestinationsReply):
+                raise WorkerRemoteError(
+                    self.worker_name(r), "ProtocolError", f"got {type(reply).__name__}"
+                )
+            found[r] = reply.destinations
+        if any(d is None for d in found.values()):
+            return None
+        return found[rank]
+
+    async def begin(self, rank: int, version: int, *, direct: bool = False) -> Reply:
         async def run(requests: dict[int, Request]) -> dict[int, Reply]:
+            modes = {r: isinstance(q, BeginUpdate) and q.direct for r, q in requests.items()}
+            if len(set(modes.values())) > 1:
+                staged = sorted(r for r, d in modes.items() if not d)
+                raise AsyncRefitError(
+                    f"engine {self.name}: ranks {staged} were planned staged and the others "
+                    "direct; an engine's ranks are written one way"
+                )
             async with self._session_lock:
                 if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
@@ -267,7 +300,7 @@ class _EngineLink:
                     self._session.done(step)
                 return await self._exchange(requests, "update")
 
-        request = BeginUpdate(version=version)
+        request = BeginUpdate(version=version, direct=direct)
         return await self._barrier.gather(("begin", version), rank, request, run)
 
     async def load(self, rank: int, request: LoadBucket) -> Reply:

@@ -16,6 +16,7 @@ This module imports torch and vLLM: only vLLM worker processes import it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -27,12 +28,15 @@ import torch
 
 from .._checksum import verify_checksum
 from .._core._plan import ParamSpec
+from .._device import DeviceId
 from .._exceptions import AsyncRefitError, UpdateStateError
 from .._wire._messages import Aborted
 from .._worker._layout import Declared
 from ..transport._base import Handle, Importer, dtype_name, torch_dtype
+from ..transport.destinations import Destinations
 from . import _reload
 from ._compat import checkpoint_files
+from ._direct import DirectExport, export, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +130,20 @@ class ReloadSink:
     previous tensors back and the error propagates (the version stays incomplete).
     """
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, device: DeviceId | None = None) -> None:
         self._target = target
+        self._device = device
+        #: vLLM's weight update is open (``start`` .. ``finish``).
+        self.open = False
+        #: vLLM's layerwise reload is open (a staged version begun .. finalized or ended).
         self.reloading = False
         self.faults = Faults()
+        # The version the trainer writes directly, and this rank's export for it
+        # (learned once per model; a string says why there is none).
+        self._direct: int | None = None
+        self._export: DirectExport | str | None = None
+        self._exported_model: Any = None
+        self._generation = 0
         self._declared: Declared | None = None
         self._commit: tuple[int, int] | None = None
         self._shared: list[_reload.SharedLayer] = []
@@ -151,12 +165,84 @@ class ReloadSink:
         return self._declared
 
     def begin(self, version: int) -> None:
-        if not self.reloading:
+        """A staged version begins: vLLM's layerwise reload opens."""
+        if not self.open:
             raise UpdateStateError(f"version {version} begun outside a weight update")
+        if self._direct is not None or self.reloading:
+            raise UpdateStateError(f"version {version} begun twice in one weight update")
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self._target.model)
+        self.reloading = True
+
+    def begin_direct(self, version: int) -> None:
+        """A version the trainer writes into :meth:`destinations` begins (no reload)."""
+        if not self.open:
+            raise UpdateStateError(f"version {version} begun outside a weight update")
+        if self._direct is not None or self.reloading:
+            raise UpdateStateError(f"version {version} begun twice in one weight update")
+        if not isinstance(self._export, DirectExport):
+            raise UpdateStateError(f"version {version} begun direct, but nothing is exported")
+        synchronize(self._target.model)  # no kernel reads the parameters from here on
+        self._direct = version
+
+    def destinations(self) -> Destinations | None:
+        """This rank's parameters as a trainer writes them directly (``None``: it
+        cannot be; the engine's log says why), learned at the first call for a model.
+
+        Learning swaps the parameters while it runs: asked outside an update, between
+        the engine's steps (``collective_rpc``), it runs while nothing is served.
+        """
+        model = self._target.model
+        if self._exported_model is not model:
+            if self.open:
+                raise UpdateStateError("destinations are exported outside weight updates only")
+            if isinstance(self._export, DirectExport):
+                self._export.close()
+            self._generation += 1
+            self._export = self._learn(model)
+            self._exported_model = model
+        return self._export.destinations if isinstance(self._export, DirectExport) else None
+
+    def _learn(self, model: Any) -> DirectExport | str:
+        if self._device is None:
+            return "no device was given to the sink"
+        specs = self.declared().specs
+        try:
+            found = export(model, specs, self._device, generation=self._generation)
+        except Exception as exc:  # a model the plan cannot be learned for: stay staged
+            logger.warning("direct writes off: learning the copy plan failed", exc_info=True)
+            return f"learning the copy plan failed: {exc}"
+        if isinstance(found, str):
+            logger.info("direct writes off for this rank: %s", found)
+        else:
+            if found.destinations.kind == "shm":
+                # The segment keeps its name while this worker lives (another
+                # coordinator may open it); its name goes as the worker exits. A worker
+                # killed outright leaves it to the sweep (its name carries the pid).
+                atexit.register(found.close)
+            plan = found.plan
+            logger.info(
+                "direct writes on: %d block copies into %d parameters (%d tensors)",
+                len(plan.copies),
+                len({c.target for c in plan.copies}),
+                len(specs),
+            )
+        return found
+
+    @property
+    def why_not(self) -> str | None:
+        """Why this rank is not written directly (``None``: it is, or was not asked)."""
+        return self._export if isinstance(self._export, str) else None
+
+    def close(self) -> None:
+        """Unlink what :meth:`destinations` exported (the parameters stay where they are)."""
+        if isinstance(self._export, DirectExport):
+            self._export.close()
 
     def receiving(self, bucket: int) -> None:
         if not self.reloading:
-            raise UpdateStateError(f"bucket {bucket} arrived outside a weight update")
+            raise UpdateStateError(f"bucket {bucket} arrived outside a staged weight update")
 
     def opening(self, handle: Handle) -> None:
         pass  # no view outlives a bucket: nothing to drop
@@ -187,6 +273,11 @@ class ReloadSink:
         return b""
 
     def commit(self, version: int, buckets: int) -> bool:
+        if self._direct is not None:
+            if self._direct != version:
+                raise UpdateStateError(f"version {version} is not being written")
+            self._commit = (version, buckets)
+            return False  # complete once vLLM's update is finished (finish)
         # Layers that share tensors with written ones must be renewed after the
         # finalize: refuse now if one of them cannot be.
         found = _reload.review(self._target.model)
@@ -201,6 +292,7 @@ class ReloadSink:
             delay, self.faults.abort_delay = self.faults.abort_delay, 0.0
             time.sleep(delay)
         self._commit = None
+        self._direct = None  # what the trainer wrote stays (the abort says written)
         if self.reloading:
             self.end_reload()
 
@@ -213,24 +305,32 @@ class ReloadSink:
     # --- the reload session ------------------------------------------------------------
 
     def start(self) -> None:
-        """Open vLLM's layerwise reload (any one left open must be ended first)."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        """vLLM's weight update opens (a reload left open must be ended first); the
+        version's begin says how it is written (:meth:`begin`, :meth:`begin_direct`)."""
         self._commit = None
+        self._direct = None
         self._shared = []
         self._repacked = []
-        initialize_layerwise_reload(self._target.model)
-        self.reloading = True
+        self.open = True
 
     def finish(self) -> tuple[int, int] | None:
-        """Finalize the reload if a commit was accepted; that commit ``(version, buckets)``.
+        """End vLLM's update: finalize the reload if a commit was accepted (a direct
+        version needs nothing more); that commit ``(version, buckets)``.
 
         Returns ``None`` without a commit: a reload still open (``reloading``) must then
         be ended as an abort (:meth:`end_reload`).
         """
         commit, self._commit = self._commit, None
+        direct, self._direct = self._direct, None
         shared, self._shared = self._shared, []
         repacked, self._repacked = self._repacked, []
+        self.open = False
+        if commit is not None and direct is not None:
+            if self.faults.fail_finalize:
+                self.faults.fail_finalize = False
+                raise RuntimeError("injected fault: finishing a direct update failed")
+            synchronize(self._target.model)
+            return commit
         if not self.reloading or commit is None:
             return None
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

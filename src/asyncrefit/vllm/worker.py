@@ -43,6 +43,7 @@ from .._device import DeviceId, local_node_id
 from .._exceptions import AsyncRefitError
 from .._wire._messages import Aborted
 from .._worker._endpoint import Endpoint
+from ..transport.destinations import Destinations
 from ._compat import not_a_trainer_side
 from ._sink import Faults, ReloadSink, checkpoint_specs
 from ._wire import BACKEND, BlockingChannel, RankHello
@@ -87,6 +88,19 @@ def _device_id(device: torch.device, rank: int) -> DeviceId:
     return DeviceId(node=local_node_id(), device=f"{device.type}:{rank}")
 
 
+class _RankEndpoint(Endpoint[Aborted]):
+    """The endpoint of a rank: direct versions go to the sink, which exports them."""
+
+    sink: ReloadSink
+
+    def destinations(self) -> Destinations | None:
+        return self.sink.destinations()
+
+    def begin_direct(self, version: int) -> None:
+        self.sink.begin_direct(version)
+        self.state.begin(version, direct=True)
+
+
 class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     WeightTransferEngine[ChannelInitInfo, ChannelTrigger]
 ):
@@ -128,10 +142,9 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         super().__init__(config, vllm_config, device, model)
         self._rank = int(getattr(vllm_config.parallel_config, "rank", 0))
         self._channel: BlockingChannel | None = None
-        self._sink = ReloadSink(self)
-        self._endpoint: Endpoint[Aborted] = Endpoint(
-            self._sink, _device_id(torch.device(device), self._rank)
-        )
+        where = _device_id(torch.device(device), self._rank)
+        self._sink = ReloadSink(self, where)
+        self._endpoint: Endpoint[Aborted] = _RankEndpoint(self._sink, where)
 
     def __repr__(self) -> str:
         return (
@@ -175,7 +188,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         commit = self._sink.finish()
         if commit is not None:
             self._endpoint.complete(*commit)
-        elif self._sink.reloading:
+        else:
             self._end_abandoned_reload()
 
     def shutdown(self) -> None:
@@ -224,10 +237,6 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
             channel.close()
 
 
-#: Post-load methods that leave a layer's weight as loaded on a GPU (no derived copy).
-_KEEPS_WEIGHTS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
-
-
 class RefitWorkerExtension:
     """vLLM's ``worker_extension_cls`` for asyncrefit: RPCs outside weight updates.
 
@@ -271,23 +280,14 @@ class RefitWorkerExtension:
         while the engine serves nothing.
         """
         from ._copyplan import learn, mismatches
-        from ._reload import _processing
+        from ._direct import derives
         from ._sink import checkpoint_specs
 
         engine = self._asyncrefit_engine()
         model = engine.model
         shapes = {s.name: s.shape for s in checkpoint_specs(engine.vllm_config)}
-
         cpu = torch.device(engine.device).type == "cpu"
-
-        def processed(target: str) -> bool:
-            # What derives state from a layer's weights after loading. On a GPU the
-            # unquantized methods keep the weight as loaded; on the CPU build they pack
-            # a copy (oneDNN), so every method counts there.
-            method = _processing(model.get_submodule(target.rpartition(".")[0]))
-            return method is not None and (cpu or method not in _KEEPS_WEIGHTS)
-
-        plan = learn(model, shapes, processed=processed)
+        plan = learn(model, shapes, processed=derives(model, cpu))
         found = plan.summary()
         found["all"] = sorted(shapes)
         if checkpoint is not None:
@@ -299,6 +299,13 @@ class RefitWorkerExtension:
             params = dict(model.named_parameters())
             found["mismatches"] = mismatches(plan, params, tensors)
         return found
+
+    def asyncrefit_direct_status(self) -> dict[str, Any]:
+        """Whether a trainer on this node can write this rank directly, and if not why
+        (exporting it if that was not done yet: see ``ReloadSink.destinations``)."""
+        sink = self._asyncrefit_engine()._sink
+        found = sink.destinations()
+        return {"direct": found is not None, "why_not": sink.why_not}
 
     def asyncrefit_inject_faults(
         self, *, fail_finalize: bool = False, abort_delay: float = 0.0

