@@ -511,7 +511,7 @@ class FusedWorker(FakeWorker):
                 t.data = views([self.segment.tensor], entries)[name]
 
         def at(name: str, t: torch.Tensor) -> int:
-            return where[name].offset + (t.storage_offset() - held[name].storage_offset()) * 4
+            return where[name].offset + int(t.storage_offset() - held[name].storage_offset()) * 4
 
         def entry(source: str, held_name: str, t: torch.Tensor, box: object = None) -> Any:
             return DestinationEntry(
@@ -593,7 +593,9 @@ async def test_blocks_of_tensors_are_written_into_fused_and_strided_places(budge
                 assert worker.holds(model)
                 assert await worker.weight_version() == version
             if budget < 64 * KIB:
-                assert any(e.part for b in refit.plan.buckets for e in b.entries)
+                plan = refit.plan
+                assert plan is not None
+                assert any(e.part for b in plan.buckets for e in b.entries)
     finally:
         worker.close()
     assert own_segments() == []

@@ -25,7 +25,7 @@ def _torch_linear(layer: Any, remove_weight: bool) -> None:
     layer.cpu_linear = torch.nn.functional.linear
 
 
-utils.dispatch_cpu_unquantized_gemm = _torch_linear  # type: ignore[assignment]
+utils.dispatch_cpu_unquantized_gemm = _torch_linear
 
 
 class PlainGemmRefitWorkerExtension(RefitWorkerExtension):

@@ -353,9 +353,10 @@ class RefitCoordinator(EventSource):
             if any(m in direct for m in ranks) and not all(m in direct for m in ranks):
                 logger.info("workers of %r are not all written directly: all staged", group)
                 for m in ranks:
-                    if m in direct:
+                    source = self._sources[topology.routes[m]]
+                    if m in direct and isinstance(source, WritingSource):
                         direct.discard(m)
-                        await self._sources[topology.routes[m]].detach(m.name)
+                        await source.detach(m.name)
         return topology.with_direct(direct)
 
     # --- membership -------------------------------------------------------------------
