@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -444,3 +445,35 @@ async def test_describe_answers_the_same_info_until_a_spec_changes() -> None:
         assert (await source.describe()).specs[0].dtype == "float64"
     finally:
         await source.aclose()
+
+
+def test_the_trainer_reads_the_parameters_named_parameters_gives() -> None:
+    """The trainer's own walk of a module (faster than ``named_parameters()``, which a
+    push reads every time) gives the same names, order and objects: tied parameters
+    and shared modules once, at their first name; ``None`` parameters left out; a
+    module whose class names its parameters itself is asked."""
+    from asyncrefit.trainer._local import _reader
+
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 3, bias=False), shared, torch.nn.ReLU(), shared, torch.nn.Linear(3, 4)
+    )
+    last = model[4]
+    assert isinstance(last, torch.nn.Linear)
+    head = torch.nn.Linear(3, 4, bias=False)
+    head.weight = last.weight  # tied
+    model.add_module("head", head)
+    assert list(_reader(model)().items()) == list(model.named_parameters())
+
+    class Renamed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def named_parameters(
+            self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+        ) -> Iterator[tuple[str, torch.nn.Parameter]]:
+            for name, p in super().named_parameters():
+                yield name.removeprefix("inner."), p
+
+    assert list(_reader(Renamed())()) == ["weight", "bias"]
