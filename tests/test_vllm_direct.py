@@ -73,16 +73,21 @@ def engine(
     try:
         yield llm, path
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        deadline = time.monotonic() + 60
-        while started & engine_processes() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        ctx = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "ctx", None)
-        if ctx is not None and not ctx.closed:
-            ctx.destroy(linger=0)
-        assert not started & engine_processes()
-        # The worker unlinks the segment its parameters were moved into as it exits.
-        assert _segments_of(started) == []
+        _shut_down(llm, started)
+
+
+def _shut_down(llm: LLM, started: set[int]) -> None:
+    """Stop the engine, wait for its processes; none of them leaves a segment."""
+    llm.llm_engine.engine_core.shutdown()
+    deadline = time.monotonic() + 60
+    while started & engine_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ctx = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "ctx", None)
+    if ctx is not None and not ctx.closed:
+        ctx.destroy(linger=0)
+    assert not started & engine_processes()
+    # A worker unlinks the segment its parameters were moved into as it exits.
+    assert _segments_of(started) == []
 
 
 def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -195,3 +200,77 @@ async def test_a_cancelled_direct_push_resumes_the_engine_and_is_honest(
         assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
             model, prompts, TOKENS
         )
+
+
+async def test_parameters_moved_since_the_export_are_never_written(
+    engine: tuple[LLM, Path],
+) -> None:
+    """A parameter given new memory after the export (a reloaded model): the next
+    direct push is refused before the trainer writes anything, the engine keeps its
+    version, and a coordinator that plans again is sent the new places."""
+    llm, path = engine
+    model = load_trainer(path)
+    prompts = [list(p) for p in PROMPTS]
+    async with connect_llm(llm) as workers:
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit:
+            perturb(model, seed=60)
+            await refit.push(60)
+            llm.collective_rpc("test_move_a_parameter", args=("model.norm.weight",))
+            perturb(model, seed=61)
+            with pytest.raises(PushError, match="moved since they were exported"):
+                await refit.push(61)
+            assert llm.llm_engine.get_weight_version() == "60"
+            assert await workers[0].weight_version() == 60
+        async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit:
+            report = await refit.push(62)
+            assert set(report.bytes_per_transport) == {"direct"}
+            assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
+                model, prompts, TOKENS
+            )
+
+
+@pytest.mark.asyncio(loop_scope="module", loop_factories=["asyncio"])
+async def test_tensor_parallel_2_ranks_are_written_their_own_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At TP 2 each rank holds a slice of the sharded tensors (rows of q/k/v and
+    gate/up, columns of o and down, rows of the vocabulary): each rank's plan takes
+    its own blocks of the checkpoint tensors, and both ranks are written directly."""
+    from .vllm_plain_gemm import EXTENSION
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    path = make_checkpoint(tmp_path / "llama", seed=3)
+    model = load_trainer(path)
+    before = engine_processes()
+    tp2 = LLM(
+        model=str(path),
+        tensor_parallel_size=2,
+        **{**ENGINE_KWARGS, "worker_extension_cls": EXTENSION},
+    )
+    started = engine_processes() - before
+    try:
+        prompts = [list(p) for p in PROMPTS]
+        async with (
+            connect_llm(tp2, name="tp2") as workers,
+            RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+        ):
+            assert [w.name for w in workers] == ["tp2/rank-0", "tp2/rank-1"]
+            for version in (1, 2):
+                perturb(model, seed=70 + version)
+                report = await refit.push(version)
+                assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+                got = await anyio.to_thread.run_sync(tokens, tp2, prompts)
+                assert got == greedy(model, prompts, TOKENS)
+            destinations = [await w.destinations() for w in workers]
+        blocks = {
+            (e.name, e.source_box)
+            for d in destinations
+            if d is not None
+            for e in d.entries
+            if e.source_box is not None
+        }
+        o, gate = "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+        assert {(o, ((0, 128), (0, 64))), (o, ((0, 128), (64, 128)))} <= blocks  # columns
+        assert {(gate, ((0, 128), (0, 128))), (gate, ((128, 256), (0, 128)))} <= blocks  # rows
+    finally:
+        await anyio.to_thread.run_sync(_shut_down, tp2, started)

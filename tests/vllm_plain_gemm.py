@@ -31,6 +31,12 @@ utils.dispatch_cpu_unquantized_gemm = _torch_linear
 class PlainGemmRefitWorkerExtension(RefitWorkerExtension):
     """asyncrefit's worker extension, loaded from a module that keeps weights as loaded."""
 
+    def test_move_a_parameter(self, name: str) -> None:
+        """Give parameter ``name`` new memory (as reloading a model does)."""
+        model = self._asyncrefit_engine().model
+        param = dict(model.named_parameters())[name]
+        param.data = param.data.clone()
+
 
 #: ``worker_extension_cls`` for a CPU engine written directly.
 EXTENSION = f"{__name__}.{PlainGemmRefitWorkerExtension.__name__}"

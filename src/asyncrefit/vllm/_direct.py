@@ -54,6 +54,8 @@ class DirectExport:
     destinations: Destinations
     plan: CopyPlan
     shared: SharedParameters
+    #: Where each parameter written lived when it was exported (``data_ptr``).
+    addresses: dict[str, int]
 
     def close(self) -> None:
         self.shared.close()
@@ -158,7 +160,8 @@ def export(
         generation=generation,
     )
     found.check()
-    return DirectExport(destinations=found, plan=plan, shared=shared)
+    addresses = {n: p.data_ptr() for n, p in targets.items()}
+    return DirectExport(destinations=found, plan=plan, shared=shared, addresses=addresses)
 
 
 def synchronize(model: Any) -> None:

@@ -183,6 +183,11 @@ class ReloadSink:
             raise UpdateStateError(f"version {version} begun twice in one weight update")
         if not isinstance(self._export, DirectExport):
             raise UpdateStateError(f"version {version} begun direct, but nothing is exported")
+        if self._exported_model is not self._target.model or self._moved():
+            raise UpdateStateError(
+                f"version {version} begun direct, but the engine's parameters moved since "
+                "they were exported (a reloaded model): plan again (a new RefitCoordinator)"
+            )
         synchronize(self._target.model)  # no kernel reads the parameters from here on
         self._direct = version
 
@@ -194,7 +199,8 @@ class ReloadSink:
         the engine's steps (``collective_rpc``), it runs while nothing is served.
         """
         model = self._target.model
-        if self._exported_model is not model:
+        moved = isinstance(self._export, DirectExport) and self._moved()
+        if self._exported_model is not model or moved:
             if self.open:
                 raise UpdateStateError("destinations are exported outside weight updates only")
             if isinstance(self._export, DirectExport):
@@ -203,6 +209,15 @@ class ReloadSink:
             self._export = self._learn(model)
             self._exported_model = model
         return self._export.destinations if isinstance(self._export, DirectExport) else None
+
+    def _moved(self) -> bool:
+        """Whether a parameter the export covers no longer lives where it was exported."""
+        assert isinstance(self._export, DirectExport)
+        params = dict(self._target.model.named_parameters())
+        return any(
+            name not in params or params[name].data_ptr() != ptr
+            for name, ptr in self._export.addresses.items()
+        )
 
     def _learn(self, model: Any) -> DirectExport | str:
         if self._device is None:
