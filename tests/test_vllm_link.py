@@ -223,6 +223,21 @@ class FakeEngine:
 
         await self._call("start", run)
 
+    async def begin_direct(self, request_id: int) -> None:
+        async def run() -> None:
+            assert not self.session, "a weight update is already active"
+            self.session = True
+            await self._all(request_id)
+
+        await self._call("begin_direct", run)
+
+    async def commit_direct(self, request_id: int) -> None:
+        async def run() -> None:
+            await self._all(request_id)
+            self.session = False
+
+        await self._call("commit_direct", run)
+
     async def finish(self, label: str | None) -> None:
         async def run() -> None:
             if not self.session:

@@ -144,6 +144,8 @@ class _EngineLink:
         # What the engine owes between calls (paused, an open update, a stale prefix
         # cache, an unconfirmed abort): the link carries out the steps it returns.
         self._session = Session()
+        # Whether the open update is written directly by the trainer (begun so).
+        self._direct = False
 
     def __repr__(self) -> str:
         dead = self._channels.dead
@@ -225,21 +227,24 @@ class _EngineLink:
             await self._channels.aclose()
 
     async def _exchange(
-        self, requests: Mapping[int, Request], via: Literal["serve", "update"]
+        self,
+        requests: Mapping[int, Request],
+        via: Literal["serve", "update", "begin_direct", "commit_direct"],
     ) -> dict[int, Reply]:
         """Each rank's request on its channel, triggered by one engine-wide RPC.
 
         ``via`` is the trigger: ``"update"`` is vLLM's ``update_weights`` (inside a
-        weight-update session), ``"serve"`` the extension's ``collective_rpc`` method.
+        weight-update session), ``"serve"`` the extension's ``collective_rpc`` method;
+        ``"begin_direct"`` and ``"commit_direct"`` the extension's methods that also
+        start and finish vLLM's update.
         What vLLM carries to every worker: the ``update_info`` dict, or the args.
         """
         if via == "update":
             return await self._channels.exchange(
                 requests, self._ops.update, lambda request_id: {"request_id": request_id}
             )
-        return await self._channels.exchange(
-            requests, self._ops.serve, lambda request_id: (request_id,)
-        )
+        trigger = getattr(self._ops, via)  # serve, begin_direct or commit_direct
+        return await self._channels.exchange(requests, trigger, lambda request_id: (request_id,))
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
@@ -292,13 +297,21 @@ class _EngineLink:
                 if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
                 self._barrier.drop()
+                self._direct = direct
                 # Each asked for before its call: if the call fails or is cancelled, the
                 # abort that follows ends whatever was started, then resumes generation.
+                replies: dict[int, Reply] | None = None
                 for step in self._session.begin(version):
                     self._session.asking(step)
-                    await self._call(step)
+                    if direct and isinstance(step, Start):
+                        # vLLM's start and the ranks' begin in one engine RPC.
+                        replies = await self._exchange(requests, "begin_direct")
+                    else:
+                        await self._call(step)
                     self._session.done(step)
-                return await self._exchange(requests, "update")
+                if replies is None:
+                    replies = await self._exchange(requests, "update")
+                return replies
 
         request = BeginUpdate(version=version, direct=direct)
         return await self._barrier.gather(("begin", version), rank, request, run)
@@ -315,7 +328,18 @@ class _EngineLink:
             async with self._session_lock:
                 if not self._session.receiving(version):
                     raise AsyncRefitError(f"version {version} is not being received")
-                replies = await self._exchange(requests, "update")
+                steps: tuple[EngineStep, ...] = self._session.commit(version)
+                if self._direct:
+                    # The ranks' commit and vLLM's finish in one engine RPC (a rank
+                    # finishes only if it committed): asked as the finish, so a failure
+                    # from here on labels the engine incomplete.
+                    finish = steps[0]
+                    assert isinstance(finish, Finish)
+                    self._session.asking(finish)
+                    replies = await self._exchange(requests, "commit_direct")
+                    steps = steps[1:]
+                else:
+                    replies = await self._exchange(requests, "update")
                 failed = {r: e for r, e in replies.items() if isinstance(e, ErrorReply)}
                 if failed:
                     # All or nothing: no rank may count as committed while the session
@@ -326,11 +350,21 @@ class _EngineLink:
                         message=f"rank {bad} could not commit: {error.type}: {error.message}",
                     )
                     return {r: failed.get(r, peer) for r in replies}
+                if self._direct:
+                    try:
+                        await self._ops.set_label(str(version))  # the finish's label
+                    except Exception as exc:
+                        raise WorkerRemoteError(
+                            self.name,
+                            type(exc).__name__,
+                            f"version {version} is in, but labelling it failed: {exc}",
+                        ) from exc
+                    self._session.done(finish)
                 # Finish (the label), then reset the cache: the label and the cache move
                 # together, no block computed with older weights is reused once
                 # generation resumes. A step that fails leaves it asked for: still
                 # paused, the push fails, and the abort that follows ends it.
-                for step in self._session.commit(version):
+                for step in steps:
                     self._session.asking(step)
                     try:
                         await self._call(step)

@@ -39,6 +39,10 @@ SERVE_METHOD = "asyncrefit_serve"
 #: The worker method that closes the worker's channel (vLLM 0.26 has no
 #: ``shutdown_weight_transfer_engine``; this one works on every release).
 SHUTDOWN_METHOD = "asyncrefit_shutdown"
+#: The extension's methods that open vLLM's update and serve a direct begin, and serve
+#: a direct commit and end vLLM's update: one engine RPC each (see ``_ops``).
+BEGIN_DIRECT_METHOD = "asyncrefit_begin_direct"
+COMMIT_DIRECT_METHOD = "asyncrefit_commit_direct"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,7 +29,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from .._device import DeviceId, local_node_id
 from .._exceptions import AsyncRefitError
-from .._wire._messages import Aborted
+from .._wire._messages import Aborted, Done
 from .._worker._endpoint import Endpoint
 from ..transport.destinations import Destinations
 from ._compat import not_a_trainer_side
@@ -197,8 +197,9 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
 
     # --- serving the channel ----------------------------------------------------------
 
-    def serve(self, request_id: int) -> None:
-        """Read the request ``request_id`` from the channel, handle it, answer it.
+    def serve(self, request_id: int) -> object:
+        """Read the request ``request_id`` from the channel, handle it, answer it; the
+        reply (``None`` if there was none to give).
 
         Frames of older ids (their trigger never came: the adapter's call was
         cancelled) are skipped. Never raises: if the channel is missing or breaks, it
@@ -206,6 +207,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         unloaded), and the adapter sees its connection end.
         """
         channel = self._channel
+        reply: object = None
         try:
             if channel is None:
                 raise ConnectionError("no asyncrefit channel: init_weight_transfer_engine first")
@@ -225,6 +227,8 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                 self._end_abandoned_reload()
             except Exception:
                 logger.exception("rank %d: ending the weight reload failed", self._rank)
+            return None
+        return reply
 
     def _end_abandoned_reload(self) -> None:
         self._endpoint.abandon()
@@ -268,6 +272,23 @@ class RefitWorkerExtension:
     def asyncrefit_serve(self, request_id: int) -> None:
         """Serve request ``request_id`` from this worker's asyncrefit channel."""
         self._asyncrefit_engine().serve(request_id)
+
+    def asyncrefit_begin_direct(self, request_id: int) -> None:
+        """Open vLLM's weight update (the worker's ``start_weight_update``) and serve
+        request ``request_id`` (the direct begin): one engine RPC where vLLM's own
+        calls take two. A start that raises raises here (nothing was served)."""
+        engine = self._asyncrefit_engine()
+        cast(Any, self).start_weight_update()
+        engine.serve(request_id)
+
+    def asyncrefit_commit_direct(self, request_id: int) -> None:
+        """Serve request ``request_id`` (the direct commit) and, if it was accepted,
+        end vLLM's weight update (the worker's ``finish_weight_update``, which makes
+        the version complete): one engine RPC where vLLM's own calls take two. A
+        refused commit leaves the update open (the abort that follows ends it)."""
+        engine = self._asyncrefit_engine()
+        if isinstance(engine.serve(request_id), Done):
+            cast(Any, self).finish_weight_update()
 
     def asyncrefit_learn_copy_plan(self, checkpoint: str | None = None) -> dict[str, Any]:
         """Learn this rank's copy plan (:mod:`asyncrefit.vllm._copyplan`) on the live
