@@ -112,9 +112,17 @@ def export(
     where = {p.device.type for p in params.values()}
     if where - {"cpu", "cuda"} or len(where) != 1:
         return f"its parameters are on {sorted(where)}"
-    plan = learn(
-        model, {n: s.shape for n, s in specs.items()}, processed=derives(model, "cpu" in where)
-    )
+    processed = derives(model, "cpu" in where)
+    # Before learning anything: a parameter that something derives state from after
+    # loading cannot be written in place (every linear layer of vLLM's CPU build).
+    derived = [n for n in params if processed(n)]
+    if derived:
+        shown = ", ".join(derived[:3]) + (", ..." if len(derived) > 3 else "")
+        return (
+            f"{len(derived)} of its {len(params)} parameters are processed after loading "
+            f"({shown}): they need vLLM's reload"
+        )
+    plan = learn(model, {n: s.shape for n, s in specs.items()}, processed=processed)
     if plan.staged:
         shown = ", ".join(plan.staged[:3]) + (", ..." if len(plan.staged) > 3 else "")
         return (
