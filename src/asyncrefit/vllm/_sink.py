@@ -109,7 +109,15 @@ class Target(Protocol):
 
 
 class ReloadSink:
-    """Feeds validated buckets to the model's ``load_weights`` inside a layerwise reload.
+    """Feeds validated buckets to the model's ``load_weights`` inside a layerwise reload,
+    or exports the model's parameters for a trainer to write directly.
+
+    Direct versions (:meth:`destinations`, :meth:`begin_direct`): the first call of
+    :meth:`destinations` learns this rank's copy plan and exports the parameters it
+    writes (see :mod:`asyncrefit.vllm._direct`), or records why it cannot; a direct
+    version opens no reload, and is complete when vLLM's update is finished. A begin is
+    refused if an exported parameter moved since (the trainer never writes memory the
+    model left); an abort leaves what was written, and says so.
 
     ``reloading`` is whether vLLM's layerwise reload is open (:meth:`start` ..
     :meth:`finish`): a version is begun and its buckets are taken only then. The
