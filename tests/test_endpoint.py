@@ -419,12 +419,13 @@ def test_the_reload_sink_refuses_outside_a_reload_and_feeds_copies_inside(
             type="UpdateStateError", message="version 1 begun outside a weight update"
         )
         assert endpoint.state.pending is None
-        reload_sink.reloading = True  # what start() does, after vLLM's reload opened
+        reload_sink.open = True  # what start() does (vLLM's update opened) ...
+        reload_sink.reloading = True  # ... and the begin (its reload opened: faked here)
         assert endpoint.handle(BeginUpdate(version=1)) == Done()
         reload_sink.reloading = False
         reply = endpoint.handle(LoadBucket(version=1, bucket=0, handles=handles[0]))
         assert reply == ErrorReply(
-            type="UpdateStateError", message="bucket 0 arrived outside a weight update"
+            type="UpdateStateError", message="bucket 0 arrived outside a staged weight update"
         )
         reload_sink.reloading = True
         # A bad name in the middle is refused before the model sees any tensor.
@@ -483,6 +484,7 @@ def test_the_reload_sink_answers_an_abort_with_what_it_holds(
     endpoint: Endpoint[Aborted] = Endpoint(reload_sink, DEV, importers={"shm": importer})
     try:
         handles = buckets(exporter, tensors(3), 1 << 20)[0]
+        reload_sink.open = True  # vLLM's update is open
         reload_sink.reloading = True
         endpoint.handle(BeginUpdate(version=1))
         assert endpoint.handle(AbortUpdate(version=1)) == Aborted(version=None, written=False)

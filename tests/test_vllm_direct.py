@@ -48,6 +48,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
 ]
 
+#: The engine's worker extension, named only: importing its module patches vLLM's GEMM
+#: choice in the importing process, which must be the engine's worker, never this one.
+EXTENSION = "tests.vllm_plain_gemm.PlainGemmRefitWorkerExtension"
 TOKENS = 8
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 BUDGET = 512 << 10  # several buckets (the engine takes whole tensors: the largest 256 KiB)
@@ -63,8 +66,6 @@ def _segments_of(pids: set[int]) -> list[str]:
 def engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[LLM, Path]]:
-    from .vllm_plain_gemm import EXTENSION
-
     arch, tied = request.param
     path = make_checkpoint(tmp_path_factory.mktemp(arch), arch=arch, tied=tied)
     before = engine_processes()
@@ -236,8 +237,6 @@ async def test_tensor_parallel_2_ranks_are_written_their_own_slices(
     """At TP 2 each rank holds a slice of the sharded tensors (rows of q/k/v and
     gate/up, columns of o and down, rows of the vocabulary): each rank's plan takes
     its own blocks of the checkpoint tensors, and both ranks are written directly."""
-    from .vllm_plain_gemm import EXTENSION
-
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
     path = make_checkpoint(tmp_path / "llama", seed=3)
     model = load_trainer(path)

@@ -176,12 +176,13 @@ class ReloadSink:
         """A staged version begins: vLLM's layerwise reload opens."""
         if not self.open:
             raise UpdateStateError(f"version {version} begun outside a weight update")
-        if self._direct is not None or self.reloading:
+        if self._direct is not None:
             raise UpdateStateError(f"version {version} begun twice in one weight update")
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        if not self.reloading:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self._target.model)
-        self.reloading = True
+            initialize_layerwise_reload(self._target.model)
+            self.reloading = True
 
     def begin_direct(self, version: int) -> None:
         """A version the trainer writes into :meth:`destinations` begins (no reload)."""
