@@ -3,12 +3,14 @@
 :class:`~asyncrefit.vllm._channels.RankChannels` (non-blocking, uvloop-safe frame
 channels) must speak the frames of :class:`~asyncrefit.vllm._wire.BlockingChannel`, the
 end vLLM's worker processes use: each rank, in a thread, connects, greets, and answers
-the request its trigger names, skipping the requests of cancelled exchanges.
+the request its trigger names, skipping the requests of cancelled exchanges; and serves
+its control channel from a thread of its own, with no trigger.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import anyio
 import pytest
@@ -18,7 +20,7 @@ from asyncrefit._core._plan import TensorEntry
 from asyncrefit._wire._messages import Done, GetVersion, LoadBucket, VersionReply
 from asyncrefit.transport import ShmHandle
 from asyncrefit.vllm._channels import RankChannels
-from asyncrefit.vllm._wire import BlockingChannel, pack
+from asyncrefit.vllm._wire import BlockingChannel, ControlHello, pack
 from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(20)
@@ -33,9 +35,39 @@ class Rank:
         self.skipped: list[int] = []
         self.got: list[object] = []
 
+        self.control: BlockingChannel | None = None
+        self.thread: threading.Thread | None = None
+        self.controlled: list[object] = []
+        self.hold = threading.Event()  # set: control requests are answered at once
+        self.hold.set()
+
     def connect(self, path: str) -> None:
         self.channel = BlockingChannel(path, timeout=5.0)
         self.channel.send(0, Hello(rank=self.rank, pid=os.getpid()))
+        self.control = BlockingChannel(path, timeout=5.0)
+        self.control.send(0, ControlHello(rank=self.rank, pid=os.getpid()))
+        self.control.wait_forever()
+        self.thread = threading.Thread(target=self._serve_control, args=(self.control,))
+        self.thread.start()
+
+    def _serve_control(self, control: BlockingChannel) -> None:
+        """Answer every control request as it comes (a version: 10 + the rank)."""
+        try:
+            while True:
+                request_id, request = control.receive()
+                self.controlled.append(request)
+                self.hold.wait(5.0)
+                control.send(request_id, VersionReply(version=10 + self.rank))
+        except (ConnectionError, OSError):
+            pass
+
+    def close(self) -> None:
+        for channel in (self.channel, self.control):
+            if channel is not None:
+                channel.close()
+        if self.thread is not None:
+            self.thread.join(5.0)
+            assert not self.thread.is_alive()
 
     def serve(self, request_id: int) -> None:
         assert self.channel is not None
@@ -86,8 +118,7 @@ async def test_rank_channels_speak_the_workers_frames() -> None:
     finally:
         await channels.aclose()
         for rank in ranks:
-            if rank.channel is not None:
-                rank.channel.close()
+            rank.close()
     assert channels.dead == "closed" and not channels.connected
 
 
@@ -112,6 +143,7 @@ async def test_a_rank_that_closes_its_channel_kills_the_channels() -> None:
         assert later.value.worker == "e"
     finally:
         await channels.aclose()
+        rank.close()
 
 
 async def test_a_handle_the_channel_carried_goes_by_reference() -> None:
@@ -149,5 +181,50 @@ async def test_a_handle_the_channel_carried_goes_by_reference() -> None:
         assert sizes[1] < sizes[0] and sizes[1] < len(pack(1, load))
     finally:
         await channels.aclose()
-        if rank.channel is not None:
-            rank.channel.close()
+        rank.close()
+
+
+async def test_the_control_channels_are_served_without_a_trigger() -> None:
+    """Each rank's control thread answers as frames arrive (no engine RPC); the late
+    reply of a cancelled control exchange is dropped; the other channel is untouched."""
+    ranks = [Rank(0), Rank(1)]
+    channels = RankChannels("e", 2, lambda r: f"e/rank-{r}")
+
+    async def start(path: str) -> None:
+        for rank in ranks:
+            await anyio.to_thread.run_sync(rank.connect, path)
+
+    try:
+        await channels.open(start)
+        ranks[1].hold.clear()
+        with anyio.move_on_after(0.2):  # rank 1 answers only after the cancellation
+            await channels.control(dict.fromkeys(range(2), GetVersion()))
+        ranks[1].hold.set()
+        replies = await channels.control(dict.fromkeys(range(2), GetVersion()))
+        assert replies == {0: VersionReply(version=10), 1: VersionReply(version=11)}
+        assert [len(rank.controlled) for rank in ranks] == [2, 2]
+        assert [rank.got for rank in ranks] == [[], []]  # nothing on the other channel
+    finally:
+        await channels.aclose()
+        for rank in ranks:
+            rank.close()
+
+
+async def test_a_rank_that_closes_its_control_channel_kills_the_channels() -> None:
+    rank = Rank(0)
+    channels = RankChannels("e", 1, lambda r: f"e/rank-{r}")
+
+    async def start(path: str) -> None:
+        await anyio.to_thread.run_sync(rank.connect, path)
+
+    try:
+        await channels.open(start)
+        assert rank.control is not None
+        rank.control.close()  # its thread ends
+        with pytest.raises(WorkerDiedError, match="rank 0") as info:
+            await channels.control({0: GetVersion()})
+        assert info.value.worker == "e/rank-0"
+        assert not channels.connected
+    finally:
+        await channels.aclose()
+        rank.close()

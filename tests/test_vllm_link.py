@@ -4,7 +4,8 @@
 triggers, finish, resume, ...) run one at a time, in the order they were made, on the
 engine's own task, and a caller that stops waiting does not stop a call (as vLLM's
 engine core runs utility calls). Each rank is a fake worker on the link's channel that
-answers the requests written for it. The tests break the engine at chosen points and
+answers the requests written for it, and serves its control channel (direct versions)
+as requests arrive, with no engine call. The tests break the engine at chosen points and
 check that generation is resumed on every path, that vLLM's weight update is ended
 before it is, and that errors name the rank that failed.
 """
@@ -47,6 +48,7 @@ from asyncrefit._wire._messages import (
     DestinationsReply,
     DeviceReply,
     Done,
+    ErrorReply,
     GetDestinations,
     GetSpecs,
     GetVersion,
@@ -61,7 +63,7 @@ from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
 from asyncrefit.vllm._connect import _connected
 from asyncrefit.vllm._link import _EngineLink, _translate
-from asyncrefit.vllm._wire import BACKEND, EXTENSION, pack
+from asyncrefit.vllm._wire import BACKEND, EXTENSION, ControlHello, pack
 from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(30)
@@ -82,16 +84,45 @@ class FakeWorker:
         self.version: int | None = None
         self.pending: int | None = None
         self.refs = RefDecoder()  # loads come by reference, as to a real worker
+        self.control: SocketStream | None = None
+        # What the control channel carried; a kind in ``fail`` is answered with an
+        # error, once.
+        self.controlled: list[str] = []
+        self.fail: set[str] = set()
 
     async def connect(self, path: str) -> None:
         self.stream = await anyio.connect_unix(path)
         self.reader = FrameReader(self.stream)
         await self.stream.send(pack(0, Hello(rank=self.rank, pid=os.getpid())))
+        self.control = await anyio.connect_unix(path)
+        await self.control.send(pack(0, ControlHello(rank=self.rank, pid=os.getpid())))
+
+    async def serve_control(self) -> None:
+        """The worker's control thread: every request answered as it arrives."""
+        assert self.control is not None
+        reader, stream = FrameReader(self.control), self.control
+        try:
+            while True:
+                request_id, request = RefDecoder().decode(await reader.receive())
+                kind = type(request).__name__
+                self.controlled.append(kind)
+                hook = self.before.pop(kind, None)
+                if hook is not None:
+                    await hook()
+                reply: object = ErrorReply(type="RuntimeError", message=f"{kind} failed (injected)")
+                if kind in self.fail:
+                    self.fail.discard(kind)  # once
+                else:
+                    reply = self.reply(request)
+                await stream.send(pack(request_id, reply))
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
 
     async def close(self) -> None:
-        if self.stream is not None:
-            await self.stream.aclose()
-            self.stream = None
+        for stream in (self.stream, self.control):
+            if stream is not None:
+                await stream.aclose()
+        self.stream = self.control = None
 
     async def handle(self, request_id: int) -> None:
         if self.stream is None or self.reader is None:
@@ -168,6 +199,7 @@ class FakeEngine:
         self.fail: dict[str, int] = {}  # call name -> how many times it fails
         self.before: dict[str, Hook] = {}  # call name -> run first (once)
         self._send, self._receive = anyio.create_memory_object_stream[_Job](100)
+        self.tg: anyio.abc.TaskGroup | None = None  # where the control threads run
 
     async def run(self) -> None:
         async with self._receive:
@@ -223,21 +255,6 @@ class FakeEngine:
 
         await self._call("start", run)
 
-    async def begin_direct(self, request_id: int) -> None:
-        async def run() -> None:
-            assert not self.session, "a weight update is already active"
-            self.session = True
-            await self._all(request_id)
-
-        await self._call("begin_direct", run)
-
-    async def commit_direct(self, request_id: int) -> None:
-        async def run() -> None:
-            await self._all(request_id)
-            self.session = False
-
-        await self._call("commit_direct", run)
-
     async def finish(self, label: str | None) -> None:
         async def run() -> None:
             if not self.session:
@@ -255,8 +272,10 @@ class FakeEngine:
         await self._call(f"label:{label}", run)
 
     async def init(self, channel: str, read_timeout: float) -> None:
+        assert self.tg is not None
         for w in self.workers:
             await w.connect(channel)
+            self.tg.start_soon(w.serve_control)
 
     async def shutdown(self) -> None:
         async def run() -> None:
@@ -294,12 +313,15 @@ async def engine_link(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run)
+            engine.tg = tg
             try:
                 link = _EngineLink(engine, "vllm", rpc_timeout=5.0, cleanup=cleanup)
                 async with _connected(link) as workers:
                     yield engine, workers
             finally:
                 engine._send.close()  # the engine's task ends once its queue is empty
+                for w in engine.workers:
+                    await w.close()  # the control loops end
     finally:
         engine._receive.close()
         for w in engine.workers:
@@ -534,3 +556,70 @@ async def test_a_push_error_prefers_the_failed_worker_over_its_peers_report() ->
     peer = PeerWorkerError("vllm/rank-0", "vllm/rank-1", "WorkerDiedError", died.detail)
     assert primary_error(ExceptionGroup("push", [peer, died])) is died
     assert primary_error(ExceptionGroup("push", [peer, RuntimeError("x")])) is peer
+
+
+# --- direct versions: begin, commit and abort on the control channels ----------------
+
+
+async def begin_direct(workers: list[VLLMWorker], version: int) -> None:
+    await each(workers, lambda w: w.begin_direct(version))
+
+
+async def test_a_direct_version_makes_no_engine_call_but_pause_label_reset_and_resume() -> None:
+    """The ranks' control threads take the begin and the commit: vLLM's update is never
+    opened, no trigger RPC is sent, and the cache is still reset before resuming."""
+    async with engine_link(world=2) as (engine, workers):
+        for version in (1, 2):
+            await begin_direct(workers, version)
+            assert engine.paused
+            await each(workers, lambda w, v=version: w.commit_update(v, 3))  # type: ignore[misc]
+        assert after(engine.calls, "pause") == ["pause", "label:2", "reset", "resume"]
+        assert engine.calls.count("pause") == 2 and "start" not in engine.calls
+        assert not [c for c in engine.calls if c in ("serve", "update") or "finish" in c]
+        for w in engine.workers:
+            assert w.controlled == ["BeginUpdate", "CommitUpdate"] * 2
+            assert "BeginUpdate" not in w.seen and "CommitUpdate" not in w.seen
+        assert engine.label == "2" and not engine.paused and not engine.session
+
+
+async def test_a_direct_commit_refused_at_one_rank_is_aborted_on_the_control_channels() -> None:
+    async with engine_link(world=2) as (engine, workers):
+        await begin_direct(workers, 1)
+        engine.workers[1].fail.add("CommitUpdate")
+        with pytest.raises(ExceptionGroup) as info:
+            await each(workers, lambda w: w.commit_update(1, 3))
+        errors = info.value.exceptions
+        assert {type(e) for e in errors} <= {WorkerRemoteError, PeerWorkerError}
+        assert all("rank-1" in str(e) or "rank 1" in str(e) for e in errors)
+        await workers[0].abort_update(1)  # as the coordinator does
+        assert [w.controlled[-1] for w in engine.workers] == ["AbortUpdate", "AbortUpdate"]
+        # vLLM's update was never open: nothing to finish; bytes were written
+        assert after(engine.calls, "pause") == ["pause", "label:incomplete-1", "reset", "resume"]
+        assert engine.label == "incomplete-1" and not engine.paused
+        await begin_direct(workers, 2)  # the next push begins
+        await each(workers, lambda w: w.commit_update(2, 3))
+        assert engine.label == "2"
+
+
+async def test_a_direct_begin_refused_ends_with_an_abort_and_resumes() -> None:
+    async with engine_link() as (engine, workers):
+        engine.workers[0].fail.add("BeginUpdate")
+        with pytest.raises(WorkerRemoteError, match="BeginUpdate failed"):
+            await workers[0].begin_direct(1)
+        await workers[0].abort_update(1)
+        assert engine.workers[0].controlled == ["BeginUpdate", "AbortUpdate"]
+        assert after(engine.calls, "pause") == ["pause", "resume"]  # nothing was written
+        assert not engine.paused
+
+
+async def test_an_unanswered_direct_abort_is_bounded_and_generation_resumes() -> None:
+    async with engine_link(cleanup=0.3) as (engine, workers):
+        await begin_direct(workers, 1)
+        engine.workers[0].before["AbortUpdate"] = lambda: anyio.sleep(1.0)
+        with pytest.raises(WorkerTimeoutError, match=r"no answer within 0\.3 s"):
+            await workers[0].abort_update(1)
+        assert after(engine.calls, "pause") == ["pause", "label:incomplete-1", "reset", "resume"]
+        assert not engine.paused
+        await anyio.sleep(1.0)  # the late answer comes, and is dropped
+        await workers[0].abort_update(1)  # asked again, answered now
+        assert engine.workers[0].controlled == ["BeginUpdate", "AbortUpdate", "AbortUpdate"]

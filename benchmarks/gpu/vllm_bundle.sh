@@ -15,7 +15,7 @@
 #                       level, in every worker); leave it out where Ray is installed
 # OUTDIR/install.sh     unpacks all of it into a site directory (README.md says how)
 set -euo pipefail
-out=${1:?usage: vllm_bundle.sh OUTDIR}
+out=${1:?usage: vllm_bundle.sh OUTDIR}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 VLLM=${VLLM:-vllm==0.26.0}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -25,7 +25,7 @@ pip_dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-ver
 # WHEELS: a directory to keep the downloaded vLLM wheel in between builds (optional).
 whl=${WHEELS:-$work/whl}
 rm -rf "$out"; mkdir -p "$out/deps" "$out/stubs/ray" "$whl" "$work/site"
-pip_dl "$whl" "$VLLM"
+ls "$whl/vllm-${VLLM#vllm==}-"*.whl >/dev/null 2>&1 || pip_dl "$whl" "$VLLM"
 (cd "$work/site" && unzip -q "$whl/vllm-${VLLM#vllm==}-"*.whl)
 cd "$work/site"
 # Hopper attention: its own file (11 MB), decompressed in place by install.sh.

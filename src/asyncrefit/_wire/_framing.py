@@ -98,7 +98,19 @@ class BlockingFrames:
             raise ValueError(f"frame of {size} bytes is larger than allowed")
         return self._exactly(size)
 
+    def wait_forever(self) -> None:
+        """From now on a :meth:`receive` waits without a bound (a thread that serves the
+        channel); sends stay bounded by nothing either: frames are small."""
+        self._socket().settimeout(None)
+
     def close(self) -> None:
+        """Close the socket; a thread blocked in :meth:`receive` wakes with
+        :class:`ConnectionError` (the socket is shut down first: closing alone does not
+        wake it)."""
         sock, self._sock = self._sock, None
         if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected, or the peer is gone
             sock.close()

@@ -63,12 +63,13 @@ class Hello:
     """The first frame a peer sends on its connection: who it is.
 
     ``role`` says what the peer serves (``"rank"``: a trainer rank's source,
-    ``"vllm-rank"``: a worker of a vLLM engine, its channel to the engine's adapter);
+    ``"vllm-rank"``: a worker of a vLLM engine, its channel to the engine's adapter;
+    ``"vllm-control"``: the same worker's control channel, served by a thread of its own);
     ``name`` names it, ``rank`` is its index among its kind, and ``pid`` lets the
     coordinator sweep what a dead peer left behind.
     """
 
-    role: Literal["rank", "worker", "vllm-rank"]
+    role: Literal["rank", "worker", "vllm-rank", "vllm-control"]
     pid: int
     name: str = ""
     rank: int = 0

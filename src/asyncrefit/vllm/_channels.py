@@ -5,7 +5,9 @@ worker's end): the Unix socket the ranks connect to, matching each connection to
 rank by its greeting (a :class:`~asyncrefit._wire._messages.Hello` of role
 ``"vllm-rank"``), and :meth:`RankChannels.exchange`, which writes each rank's
 request on that rank's channel, sends the engine one trigger RPC carrying only the
-request id, and gathers each rank's reply from its channel. It also counts what each
+request id, and gathers each rank's reply from its channel; and
+:meth:`RankChannels.control`, the same over each rank's control channel (greeted
+``"vllm-control"``), which a thread of the worker serves with no trigger. It also counts what each
 channel carried (:class:`ChannelStatistics`).
 
 The channels are :class:`asyncrefit._wire._channel.FrameChannel`\\ s: they wait with
@@ -111,9 +113,14 @@ class RankChannels:
         self._channels: dict[int, FrameChannel] = {}
         # Per rank, the table of handles its channel carried (see _wire._refs).
         self._refs: dict[int, RefEncoder] = {}
+        # Per rank, its control channel (served by a thread of the worker, no trigger).
+        self._control: dict[int, FrameChannel] = {}
+        self._control_refs: dict[int, RefEncoder] = {}
         self._tally = [_Tally() for _ in range(world)]
         self._lock = anyio.Lock()  # one exchange at a time: frames stay in order
+        self._control_lock = anyio.Lock()
         self._next_id = 0
+        self._next_control_id = 0
         self._dir: str | None = None
         #: Why the channels cannot be used any more (``None`` while they can).
         self.dead: str | None = None
@@ -121,7 +128,11 @@ class RankChannels:
     @property
     def connected(self) -> bool:
         """Every rank connected, and no channel failed."""
-        return self.dead is None and len(self._channels) == self.world
+        return (
+            self.dead is None
+            and len(self._channels) == self.world
+            and len(self._control) == self.world
+        )
 
     def statistics(self, rank: int) -> ChannelStatistics:
         return self._tally[rank].freeze()
@@ -130,7 +141,8 @@ class RankChannels:
 
     async def open(self, start: Callable[[str], Coroutine[Any, Any, None]]) -> None:
         """Listen on a fresh socket, call ``start(path)`` (which has every rank connect
-        to it) meanwhile, and match the connections to ranks.
+        to it twice: its channel and its control channel) meanwhile, and match the
+        connections to ranks.
 
         The caller bounds it; ``start``'s failures and a bad greeting come back as the
         task group's (an ``ExceptionGroup``).
@@ -141,7 +153,7 @@ class RankChannels:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(start, path)
-                for _ in range(self.world):
+                for _ in range(2 * self.world):
                     await self._accept(await listener.accept())
         finally:
             with anyio.CancelScope(shield=True):
@@ -156,24 +168,28 @@ class RankChannels:
             raise
         if (
             not isinstance(hello, Hello)
-            or hello.role != "vllm-rank"
+            or hello.role not in ("vllm-rank", "vllm-control")
             or not 0 <= hello.rank < self.world
         ):
             await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"unexpected greeting {hello!r}")
-        if hello.rank in self._channels:
+        control = hello.role == "vllm-control"
+        table = self._control if control else self._channels
+        if hello.rank in table:
             await channel.aclose()
             raise WorkerRemoteError(self.name, "ProtocolError", f"rank {hello.rank} twice")
-        self._channels[hello.rank] = channel
-        self._refs[hello.rank] = RefEncoder()
+        table[hello.rank] = channel
+        (self._control_refs if control else self._refs)[hello.rank] = RefEncoder()
 
     async def aclose(self) -> None:
         """Close every channel and remove the socket's directory; idempotent."""
         with anyio.CancelScope(shield=True):
-            for channel in self._channels.values():
+            for channel in (*self._channels.values(), *self._control.values()):
                 await channel.aclose()
             self._channels.clear()
+            self._control.clear()
             self._refs.clear()
+            self._control_refs.clear()
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
@@ -194,10 +210,14 @@ class RankChannels:
 
         return lost
 
-    async def _send(self, rank: int, request_id: int, request: Request) -> None:
+    async def _send(
+        self, rank: int, request_id: int, request: Request, control: bool = False
+    ) -> None:
         # Encoded with no await before the send starts (a frame the table counted is
         # a frame on the wire; a channel that fails mid-frame is never used again).
-        payload = self._refs[rank].encode(request_id, request)
+        refs = self._control_refs if control else self._refs
+        payload = refs[rank].encode(request_id, request)
+        channel = (self._control if control else self._channels)[rank]
         # A frame cut in half would corrupt the channel: the channel finishes sending it
         # even when cancelled (frames are small), but not forever.
         broke = self._lost(rank, WORKER.died, f"rank {rank}'s channel broke")
@@ -210,7 +230,7 @@ class RankChannels:
             },
             chain=False,
         ):
-            await self._channels[rank].send(payload, within=_SEND_TIMEOUT)
+            await channel.send(payload, within=_SEND_TIMEOUT)
         size = HEADER + len(payload)  # as sent: the length prefix included
         tally = self._tally[rank]
         tally.frames += 1
@@ -220,8 +240,10 @@ class RankChannels:
             tally.load_bytes += size
             tally.last_load_bytes = size
 
-    async def _receive(self, rank: int, request_id: int, replies: dict[int, Reply]) -> None:
-        channel = self._channels[rank]
+    async def _receive(
+        self, rank: int, request_id: int, replies: dict[int, Reply], control: bool = False
+    ) -> None:
+        channel = (self._control if control else self._channels)[rank]
         closed = self._lost(rank, WORKER.died, f"rank {rank} closed its channel")
         lost: ExceptionMapping = {
             anyio.EndOfStream: closed,
@@ -269,6 +291,32 @@ class RankChannels:
                     tg.start_soon(trigger, request_id)
                     for rank in requests:
                         tg.start_soon(self._receive, rank, request_id, replies)
+            except BaseExceptionGroup as group:
+                primary = primary_error(group)
+                if primary is None:
+                    raise
+                raise primary from None
+            return replies
+
+    async def control(self, requests: Mapping[int, Request]) -> dict[int, Reply]:
+        """Write each rank's request on its control channel and gather the replies:
+        no engine RPC (a thread of each worker serves its control channel).
+
+        Failures as :meth:`exchange`'s: a channel that broke marks the channels dead,
+        naming the rank. The caller bounds the wait.
+        """
+        async with self._control_lock:
+            if self.dead is not None:
+                raise WorkerDiedError(self.name, self.dead)
+            self._next_control_id += 1
+            request_id = self._next_control_id
+            for rank, request in requests.items():
+                await self._send(rank, request_id, request, control=True)
+            replies: dict[int, Reply] = {}
+            try:
+                async with anyio.create_task_group() as tg:
+                    for rank in requests:
+                        tg.start_soon(self._receive, rank, request_id, replies, True)
             except BaseExceptionGroup as group:
                 primary = primary_error(group)
                 if primary is None:

@@ -72,8 +72,10 @@ class VLLMWorker:
     resumes generation. Where every rank of the engine exports its parameters (a copy
     plan learned from the model's own loaders covers all of them: see
     :mod:`asyncrefit.vllm._direct`) and the trainer runs on the same node, the trainer
-    writes them directly instead (:meth:`begin_direct`): no bucket is loaded, and the
-    session is the same.
+    writes them directly instead (:meth:`begin_direct`): no bucket is loaded, vLLM's
+    weight update is not opened, and the version's begin, commit and abort go to each
+    rank's control channel, which a thread of the worker serves with no engine RPC;
+    pausing, the prefix-cache reset and resuming are the same.
 
     Error handling: a failure inside the worker raises :class:`WorkerRemoteError`
     naming this worker; a dead engine or broken channel :class:`WorkerDiedError`; a

@@ -14,7 +14,10 @@ What the engine owes between calls (generation paused, vLLM's update open, a pre
 cache holding KV of older weights, an abort not confirmed) is the
 :class:`~._session.Session`'s to say: the link asks it for the steps of a begin, a
 commit or an abort, and carries them out with the engine's ops (:mod:`._ops`), one at a
-time, in order, reporting each back.
+time, in order, reporting each back. A version the trainer writes directly opens no
+vLLM update: its begin (the session's start), commit (its finish) and abort go to each
+rank's control channel (:meth:`~._channels.RankChannels.control`), served by a thread of
+the worker with no engine RPC; pausing, the cache reset and resuming stay engine calls.
 
 Errors: every failure reaches a rank as a :class:`~asyncrefit.WorkerError` naming it
 (:func:`_translate`; a failure at another rank is a :class:`~asyncrefit.PeerWorkerError`
@@ -229,22 +232,21 @@ class _EngineLink:
     async def _exchange(
         self,
         requests: Mapping[int, Request],
-        via: Literal["serve", "update", "begin_direct", "commit_direct"],
+        via: Literal["serve", "update"],
     ) -> dict[int, Reply]:
         """Each rank's request on its channel, triggered by one engine-wide RPC.
 
         ``via`` is the trigger: ``"update"`` is vLLM's ``update_weights`` (inside a
-        weight-update session), ``"serve"`` the extension's ``collective_rpc`` method;
-        ``"begin_direct"`` and ``"commit_direct"`` the extension's methods that also
-        start and finish vLLM's update.
+        weight-update session), ``"serve"`` the extension's ``collective_rpc`` method.
         What vLLM carries to every worker: the ``update_info`` dict, or the args.
         """
         if via == "update":
             return await self._channels.exchange(
                 requests, self._ops.update, lambda request_id: {"request_id": request_id}
             )
-        trigger = getattr(self._ops, via)  # serve, begin_direct or commit_direct
-        return await self._channels.exchange(requests, trigger, lambda request_id: (request_id,))
+        return await self._channels.exchange(
+            requests, self._ops.serve, lambda request_id: (request_id,)
+        )
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
@@ -304,8 +306,9 @@ class _EngineLink:
                 for step in self._session.begin(version):
                     self._session.asking(step)
                     if direct and isinstance(step, Start):
-                        # vLLM's start and the ranks' begin in one engine RPC.
-                        replies = await self._exchange(requests, "begin_direct")
+                        # No engine RPC: each rank's control thread opens its update
+                        # and begins (vLLM's own weight update stays closed).
+                        replies = await self._channels.control(requests)
                     else:
                         await self._call(step)
                     self._session.done(step)
@@ -330,13 +333,13 @@ class _EngineLink:
                     raise AsyncRefitError(f"version {version} is not being received")
                 steps: tuple[EngineStep, ...] = self._session.commit(version)
                 if self._direct:
-                    # The ranks' commit and vLLM's finish in one engine RPC (a rank
-                    # finishes only if it committed): asked as the finish, so a failure
-                    # from here on labels the engine incomplete.
+                    # Each rank's control thread commits and ends its update (a rank
+                    # ends it only if it committed), with no engine RPC: asked as the
+                    # finish, so a failure from here on labels the engine incomplete.
                     finish = steps[0]
                     assert isinstance(finish, Finish)
                     self._session.asking(finish)
-                    replies = await self._exchange(requests, "commit_direct")
+                    replies = await self._channels.control(requests)
                     steps = steps[1:]
                 else:
                     replies = await self._exchange(requests, "update")
@@ -422,11 +425,13 @@ class _EngineLink:
         self._session.asking(ask)
         unconfirmed: Exception | None = None
         written = False
+        requests: dict[int, Request] = {r: AbortUpdate(version=version) for r in range(self.world)}
         try:
             with anyio.fail_after(self._cleanup):
-                replies = await self._exchange(
-                    {r: AbortUpdate(version=version) for r in range(self.world)}, "serve"
-                )
+                if self._direct:  # the control threads abort and end their update
+                    replies = await self._channels.control(requests)
+                else:
+                    replies = await self._exchange(requests, "serve")
         except Exception as exc:
             unconfirmed = exc  # and written, unless every rank says otherwise
             if isinstance(exc, TimeoutError):
@@ -465,6 +470,8 @@ class _EngineLink:
                 await ops.pause()
             case Start():
                 await ops.start()
+            case Finish(label=None) if self._direct:
+                pass  # each rank's control thread ended its update with the abort
             case Finish(label=label):
                 await ops.finish(label)
             case ResetCache():

@@ -24,7 +24,7 @@ import anyio
 
 from .._exceptions import EngineLoopError
 from ._compat import features
-from ._wire import BEGIN_DIRECT_METHOD, COMMIT_DIRECT_METHOD, SERVE_METHOD, SHUTDOWN_METHOD
+from ._wire import SERVE_METHOD, SHUTDOWN_METHOD
 
 R = TypeVar("R")
 
@@ -59,8 +59,6 @@ class _EngineOps(Protocol):
     async def reset_cache(self) -> None: ...
 
     async def resume(self) -> None: ...
-    async def begin_direct(self, request_id: int) -> None: ...
-    async def commit_direct(self, request_id: int) -> None: ...
 
 
 def _check_reset(done: object) -> None:
@@ -103,17 +101,6 @@ class _AsyncLLMOps:
     async def serve(self, request_id: int) -> None:
         self._check()
         await self._engine.collective_rpc(SERVE_METHOD, args=(request_id,))
-
-    async def begin_direct(self, request_id: int) -> None:
-        """vLLM's ``start_weight_update`` and the direct begin, in one engine RPC."""
-        self._check()
-        await self._engine.collective_rpc(BEGIN_DIRECT_METHOD, args=(request_id,))
-
-    async def commit_direct(self, request_id: int) -> None:
-        """The direct commit and vLLM's ``finish_weight_update``, in one engine RPC
-        (the finish only where the commit succeeded); the label is set apart."""
-        self._check()
-        await self._engine.collective_rpc(COMMIT_DIRECT_METHOD, args=(request_id,))
 
     async def update(self, request_id: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -188,12 +175,6 @@ class _LLMOps:
 
     async def serve(self, request_id: int) -> None:
         await self._rpc(SERVE_METHOD, args=(request_id,))
-
-    async def begin_direct(self, request_id: int) -> None:
-        await self._rpc(BEGIN_DIRECT_METHOD, args=(request_id,))
-
-    async def commit_direct(self, request_id: int) -> None:
-        await self._rpc(COMMIT_DIRECT_METHOD, args=(request_id,))
 
     async def update(self, request_id: int) -> None:
         await self._rpc("update_weights", kwargs={"update_info": {"request_id": request_id}})

@@ -7,6 +7,11 @@ the frame addressed to it, handles it and answers on its own connection. Handles
 therefore travel to exactly one worker, and what a worker receives per bucket does
 not depend on how many workers the engine has.
 
+Each worker keeps a second connection, its control channel (greeted with
+:class:`ControlHello`), which a thread of the worker serves as frames arrive, with no
+engine RPC: the begin, commit and abort of a version the trainer writes directly. The
+frames are the same.
+
 Owns only what is vLLM's own: the names vLLM loads (:data:`BACKEND`,
 :data:`EXTENSION`), the greeting's role (:class:`RankHello`) and the worker's blocking
 end (:class:`BlockingChannel`). Everything else is the one wire stack's: a frame's
@@ -39,10 +44,6 @@ SERVE_METHOD = "asyncrefit_serve"
 #: The worker method that closes the worker's channel (vLLM 0.26 has no
 #: ``shutdown_weight_transfer_engine``; this one works on every release).
 SHUTDOWN_METHOD = "asyncrefit_shutdown"
-#: The extension's methods that open vLLM's update and serve a direct begin, and serve
-#: a direct commit and end vLLM's update: one engine RPC each (see ``_ops``).
-BEGIN_DIRECT_METHOD = "asyncrefit_begin_direct"
-COMMIT_DIRECT_METHOD = "asyncrefit_commit_direct"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +52,15 @@ class RankHello(Hello):
     :class:`~asyncrefit._wire._messages.Hello`, its role ``"vllm-rank"``."""
 
     role: Literal["vllm-rank"] = "vllm-rank"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlHello(Hello):
+    """The first frame on a vLLM worker's second connection, its control channel: a
+    thread of the worker serves it on its own, with no engine RPC (the begin and the
+    commit of a version the trainer writes directly)."""
+
+    role: Literal["vllm-control"] = "vllm-control"
 
 
 def body(request_id: int, message: object) -> bytes:
@@ -95,5 +105,10 @@ class BlockingChannel:
         follows the frames."""
         return self._refs.decode(self._frames.receive())
 
+    def wait_forever(self) -> None:
+        """Receive without a bound from now on (the control thread's channel)."""
+        self._frames.wait_forever()
+
     def close(self) -> None:
+        """Close the socket (waking a thread blocked in :meth:`receive`)."""
         self._frames.close()

@@ -20,6 +20,11 @@ repeated for the engine's whole life. Layers that received nothing but share ten
 with written ones (a tied ``lm_head``) have their post-load processing re-run after the
 reload (see :mod:`asyncrefit.vllm._reload`), or the commit fails.
 
+A version the trainer writes directly into the rank's exported parameters (see
+:mod:`asyncrefit.vllm._direct`) needs no engine RPC at all: a thread of the worker
+serves its control channel, where the version's begin, commit and abort arrive
+(:meth:`ChannelWeightTransferEngine.control`).
+
 This module imports torch and vLLM: only vLLM worker processes import it.
 """
 
@@ -27,9 +32,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -41,12 +47,13 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from .._device import DeviceId, local_node_id
 from .._exceptions import AsyncRefitError
-from .._wire._messages import Aborted, Done
+from .._wire._errors import error_reply
+from .._wire._messages import Aborted, AbortUpdate, BeginUpdate, CommitUpdate, Done
 from .._worker._endpoint import Endpoint
 from ..transport.destinations import Destinations
 from ._compat import not_a_trainer_side
 from ._sink import Faults, ReloadSink, checkpoint_specs
-from ._wire import BACKEND, BlockingChannel, RankHello
+from ._wire import BACKEND, BlockingChannel, ControlHello, RankHello
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +118,10 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     serves one request read from the channel (begin, load a bucket, commit, abort);
     ``finish_weight_update`` finalizes the reload and makes the committed version
     complete. Requests outside a session arrive through
-    :meth:`RefitWorkerExtension.asyncrefit_serve`.
+    :meth:`RefitWorkerExtension.asyncrefit_serve`. A thread serves the control
+    channel (:meth:`control`: direct versions), one request at a time with the
+    engine's own calls (a lock); it ends with the channel, aborting a direct version
+    left open.
 
     Resource handling: a bucket's tensors are copied out of the trainer's buffer into
     tensors of this worker, and every view of the buffer is dropped, before the bucket
@@ -142,6 +152,14 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         super().__init__(config, vllm_config, device, model)
         self._rank = int(getattr(vllm_config.parallel_config, "rank", 0))
         self._channel: BlockingChannel | None = None
+        # The control channel and the thread serving it (direct versions' begin,
+        # commit and abort, with no engine RPC); the lock keeps it and the engine's
+        # own calls from handling requests at the same time.
+        self._control: BlockingChannel | None = None
+        self._control_thread: threading.Thread | None = None
+        self._lock = threading.RLock()
+        # Whether the open update was opened by the control channel (not vLLM's).
+        self._control_update = False
         where = _device_id(torch.device(device), self._rank)
         self._sink = ReloadSink(self, where)
         self._endpoint: Endpoint[Aborted] = _RankEndpoint(self._sink, where)
@@ -156,20 +174,43 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
     # --- vLLM's WeightTransferEngine ------------------------------------------------
 
     def init_transfer_engine(self, init_info: ChannelInitInfo) -> None:
-        """Connect to the adapter's socket and say which rank this is."""
+        """Connect to the adapter's socket twice (the channel, then the control
+        channel, whose thread starts here) and say which rank this is."""
         self._close_channel()
-        self._end_abandoned_reload()  # a previous coordinator may have left one open
+        with self._lock:
+            self._end_abandoned_reload()  # a previous coordinator may have left one open
+        pid = os.getpid()
         channel = BlockingChannel(init_info.channel, init_info.timeout)
+        control: BlockingChannel | None = None
         try:
-            channel.send(0, RankHello(rank=self._rank, pid=os.getpid()))
+            channel.send(0, RankHello(rank=self._rank, pid=pid))
+            control = BlockingChannel(init_info.channel, init_info.timeout)
+            control.send(0, ControlHello(rank=self._rank, pid=pid))
+            control.wait_forever()
         except BaseException:
             channel.close()
+            if control is not None:
+                control.close()
             raise
-        self._channel = channel
+        self._channel, self._control = channel, control
+        thread = threading.Thread(
+            target=self._serve_control,
+            args=(control,),
+            name=f"asyncrefit-control-{self._rank}",
+            daemon=True,
+        )
+        self._control_thread = thread
+        thread.start()
 
     def start_weight_update(self) -> None:
-        self._end_abandoned_reload()
-        self._sink.start()
+        with self._lock:
+            if self._control_update:
+                raise AsyncRefitError(
+                    "a version written directly is being received: vLLM's weight update "
+                    "cannot start until asyncrefit commits or aborts it"
+                )
+            self._end_abandoned_reload()
+            self._sink.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class would synchronize the accelerator after every chunk; loads
@@ -185,15 +226,18 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         Without a commit (the adapter aborted, or someone finished the session by
         hand) the session ends as an abort.
         """
-        commit = self._sink.finish()
-        if commit is not None:
-            self._endpoint.complete(*commit)
-        else:
-            self._end_abandoned_reload()
+        with self._lock:
+            self._control_update = False
+            commit = self._sink.finish()
+            if commit is not None:
+                self._endpoint.complete(*commit)
+            else:
+                self._end_abandoned_reload()
 
     def shutdown(self) -> None:
         self._close_channel()
-        self._endpoint.release_handles()
+        with self._lock:
+            self._endpoint.release_handles()
 
     # --- serving the channel ----------------------------------------------------------
 
@@ -218,17 +262,79 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                 if got > request_id:
                     raise ConnectionError(f"request {got} arrived before {request_id}")
                 logger.debug("rank %d skips stale request %d", self._rank, got)
-            reply = self._endpoint.handle(request)
+            with self._lock:
+                reply = self._endpoint.handle(request)
             channel.send(request_id, reply)
         except Exception as exc:  # timeout, broken or garbled channel (handle never raises)
             logger.warning("rank %d: asyncrefit channel failed: %s", self._rank, exc)
             self._close_channel()
             try:
-                self._end_abandoned_reload()
+                with self._lock:
+                    self._end_abandoned_reload()
             except Exception:
                 logger.exception("rank %d: ending the weight reload failed", self._rank)
             return None
         return reply
+
+    # --- the control channel (a thread of its own) -------------------------------------
+
+    def _serve_control(self, channel: BlockingChannel) -> None:
+        """Serve the control channel until it closes: each request as it arrives.
+
+        When the channel ends (the adapter closed it or went away) with a direct
+        version still open, that version is aborted here: no update is left open.
+        """
+        try:
+            while True:
+                request_id, request = channel.receive()
+                channel.send(request_id, self.control(request))
+        except Exception as exc:  # closed (EOF, shut down) or garbled
+            logger.debug("rank %d: asyncrefit control channel ended: %s", self._rank, exc)
+        finally:
+            channel.close()
+            with self._lock:
+                if self._control_update:
+                    try:
+                        self._endpoint.abandon()
+                        self.finish_weight_update()
+                    except Exception:
+                        logger.exception("rank %d: ending a direct version failed", self._rank)
+
+    def control(self, request: object) -> object:
+        """Handle one control request: the begin, commit or abort of a version the
+        trainer writes directly into this rank's exported parameters. The begin opens
+        this engine's update (vLLM's own weight update stays closed: no RPC is needed)
+        and the commit or the abort ends it; the engine serves nothing meanwhile (its
+        caller paused generation, or an ``LLM`` generates only inside its own calls).
+
+        Never raises: failures are error replies.
+        """
+        with self._lock:
+            try:
+                match request:
+                    case BeginUpdate(direct=True):
+                        if self._sink.open:
+                            raise AsyncRefitError("a weight update is open already")
+                        self._end_abandoned_reload()
+                        self._sink.start()
+                        self._control_update = True
+                        reply = self._endpoint.handle(request)
+                        if not isinstance(reply, Done):
+                            self.finish_weight_update()  # nothing begun: end it here
+                        return reply
+                    case CommitUpdate():
+                        reply = self._endpoint.handle(request)
+                        if isinstance(reply, Done) and self._control_update:
+                            self.finish_weight_update()  # the version becomes complete
+                        return reply
+                    case AbortUpdate():
+                        reply = self._endpoint.handle(request)
+                        if self._control_update:
+                            self.finish_weight_update()  # no commit: ends as an abort
+                        return reply
+                raise AsyncRefitError(f"{type(request).__name__} is not a control request")
+            except Exception as exc:
+                return error_reply(exc)
 
     def _end_abandoned_reload(self) -> None:
         self._endpoint.abandon()
@@ -239,6 +345,12 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
+        control, self._control = self._control, None
+        thread, self._control_thread = self._control_thread, None
+        if control is not None:
+            control.close()  # wakes the thread, which ends what it left open
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
 
 
 class RefitWorkerExtension:
@@ -267,28 +379,12 @@ class RefitWorkerExtension:
         for this, 0.26 nothing: this one RPC serves every release."""
         engine = self._asyncrefit_engine()
         engine.shutdown()
-        engine._end_abandoned_reload()
+        with engine._lock:
+            engine._end_abandoned_reload()
 
     def asyncrefit_serve(self, request_id: int) -> None:
         """Serve request ``request_id`` from this worker's asyncrefit channel."""
         self._asyncrefit_engine().serve(request_id)
-
-    def asyncrefit_begin_direct(self, request_id: int) -> None:
-        """Open vLLM's weight update (the worker's ``start_weight_update``) and serve
-        request ``request_id`` (the direct begin): one engine RPC where vLLM's own
-        calls take two. A start that raises raises here (nothing was served)."""
-        engine = self._asyncrefit_engine()
-        cast(Any, self).start_weight_update()
-        engine.serve(request_id)
-
-    def asyncrefit_commit_direct(self, request_id: int) -> None:
-        """Serve request ``request_id`` (the direct commit) and, if it was accepted,
-        end vLLM's weight update (the worker's ``finish_weight_update``, which makes
-        the version complete): one engine RPC where vLLM's own calls take two. A
-        refused commit leaves the update open (the abort that follows ends it)."""
-        engine = self._asyncrefit_engine()
-        if isinstance(engine.serve(request_id), Done):
-            cast(Any, self).finish_weight_update()
 
     def asyncrefit_learn_copy_plan(self, checkpoint: str | None = None) -> dict[str, Any]:
         """Learn this rank's copy plan (:mod:`asyncrefit.vllm._copyplan`) on the live
