@@ -45,8 +45,9 @@ The table gives the median, min and max in ms; ``x limit`` is the one-copy limit
 median over the row's median (1.0 would be one plain copy of every byte; a refit
 through a staging buffer copies each byte twice); peak extra MiB is the most
 device-wide GPU memory (``torch.cuda.mem_get_info``, this process and the engine's)
-taken during the timed refits beyond what was in use just before them, polled every
-~1 ms from a thread. After each row's last refit, a checksum of the engine's embedding
+taken during one more refit after the timed ones beyond what was in use just before
+it, polled every ~1 ms from a thread (which would contend for this process's GIL: it
+runs during no timed refit). After each row's last refit, a checksum of the engine's embedding
 and of layer 0's fused ``qkv_proj`` (the int64 sum of the bf16 bit patterns, through
 ``llm.collective_rpc``) is compared with the trainer's: OK or MISMATCH.
 
@@ -288,20 +289,24 @@ def summary(name: str, times_ms: Sequence[float], **extra: Any) -> dict[str, Any
 def timed_sync(
     refit: Callable[[int], None], model: torch.nn.Module, warmup: int, repeats: int
 ) -> tuple[list[float], float]:
-    """Warm-up refits, then ``repeats`` timed ones (ms) and the peak extra MiB."""
+    """Warm-up refits, then ``repeats`` timed ones (ms), then one more refit for the peak
+    extra MiB: the poller's thread (1 kHz) would contend for this process's GIL, so it
+    runs during none of the timed refits."""
     version = 1
     for _ in range(warmup):
         perturb(model, version)
         refit(version)
         version += 1
     times: list[float] = []
+    for _ in range(repeats):
+        perturb(model, version)
+        start = time.perf_counter()
+        refit(version)
+        times.append((time.perf_counter() - start) * 1e3)
+        version += 1
+    perturb(model, version)
     with FreeMemoryPoller() as poller:
-        for _ in range(repeats):
-            perturb(model, version)
-            start = time.perf_counter()
-            refit(version)
-            times.append((time.perf_counter() - start) * 1e3)
-            version += 1
+        refit(version)
     return times, poller.extra_mib
 
 
@@ -315,13 +320,15 @@ async def timed_async(
         await refit(version)
         version += 1
     times: list[float] = []
+    for _ in range(repeats):
+        perturb(model, version)
+        start = time.perf_counter()
+        await refit(version)
+        times.append((time.perf_counter() - start) * 1e3)
+        version += 1
+    perturb(model, version)
     with FreeMemoryPoller() as poller:
-        for _ in range(repeats):
-            perturb(model, version)
-            start = time.perf_counter()
-            await refit(version)
-            times.append((time.perf_counter() - start) * 1e3)
-            version += 1
+        await refit(version)
     return times, poller.extra_mib
 
 
@@ -406,6 +413,7 @@ async def asyncrefit_row(
 
         times, extra = await timed_async(push, model, warmup, repeats)
     report = reports[-1]
+    timed = [dataclasses.asdict(r.stages) for r in reports[-repeats - 1 : -1]]
     return summary(
         name,
         times,
@@ -416,8 +424,29 @@ async def asyncrefit_row(
         buckets=report.buckets,
         bytes=report.bytes,
         transports=sorted(report.bytes_per_transport),
-        stages_ms={k: v * 1e3 for k, v in dataclasses.asdict(report.stages).items()},
+        stages_ms={k: statistics.median(t[k] for t in timed) * 1e3 for k in timed[0]},
     )
+
+
+def engine_calls(llm: Any, repeats: int = 30) -> dict[str, dict[str, float]]:
+    """What one of vLLM's own engine calls costs on this machine (the engine idle): an
+    RPC to every worker that does nothing (``check_health``) and a prefix-cache reset;
+    median and min in ms. The control channel takes a direct push's begin and commit
+    off the first; the second stays in every push."""
+    found: dict[str, dict[str, float]] = {}
+    calls: dict[str, Callable[[], object]] = {
+        "collective_rpc (no-op)": lambda: llm.collective_rpc("check_health"),
+        "reset_prefix_cache": lambda: llm.reset_prefix_cache(),
+    }
+    for name, call in calls.items():
+        call()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start) * 1e3)
+        found[name] = {"median_ms": statistics.median(times), "min_ms": min(times)}
+    return found
 
 
 class LLMClient:
@@ -635,6 +664,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say("starting the asyncrefit engine")
         try:
             with engine(workdir, load_format="safetensors", **common, **engine_args()) as llm:
+                result["engine_calls"] = engine_calls(llm)
                 for name, zero_copy, direct in (
                     (DIRECT, False, True),
                     (STAGED, False, False),
@@ -741,15 +771,19 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{r['name']}: {r['buckets']} buckets of <= {r['bucket_bytes'] // MIB} MiB, "
                 f"budget {r['budget_bytes'] / MIB:.0f} MiB, via {via}; "
-                f"last push's stages (ms): {s}"
+                f"stages (ms, median of the timed refits): {s}"
             )
         if r.get("check", "OK") != "OK":
             lines.append(f"{r['name']}: {r['check']}")
+    for call, t in result.get("engine_calls", {}).items():
+        lines.append(
+            f"one vLLM engine call, {call}: {t['median_ms']:.2f} ms (min {t['min_ms']:.2f})"
+        )
     lines += [
         "x one-copy limit: the limit's median over the row's median (wall clock around each "
         "whole refit);",
-        "peak extra MiB: device-wide GPU memory taken during the timed refits beyond that "
-        "just before them",
+        "peak extra MiB: device-wide GPU memory taken during one more refit beyond that "
+        "just before it (polled by a thread at 1 kHz, which runs during no timed refit)",
     ]
     return "\n".join(lines)
 
