@@ -203,27 +203,32 @@ async def test_a_cancelled_direct_push_resumes_the_engine_and_is_honest(
         )
 
 
+@pytest.mark.parametrize("replace", [False, True], ids=["new-memory", "new-parameter"])
 async def test_parameters_moved_since_the_export_are_never_written(
-    engine: tuple[LLM, Path],
+    engine: tuple[LLM, Path], replace: bool
 ) -> None:
-    """A parameter given new memory after the export (a reloaded model): the next
-    direct push is refused before the trainer writes anything, the engine keeps its
-    version, and a coordinator that plans again is sent the new places."""
+    """A parameter given new memory after the export, or replaced by a new parameter
+    in its module (a reloaded model): the next direct push is refused before the
+    trainer writes anything, the engine keeps its version, and a coordinator that plans
+    again is sent the new places."""
     llm, path = engine
     model = load_trainer(path)
     prompts = [list(p) for p in PROMPTS]
+    v = 70 if replace else 60
     async with connect_llm(llm) as workers:
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit:
-            perturb(model, seed=60)
-            await refit.push(60)
-            llm.collective_rpc("test_move_a_parameter", args=("model.norm.weight",))
-            perturb(model, seed=61)
+            perturb(model, seed=v)
+            await refit.push(v)
+            llm.collective_rpc(
+                "test_move_a_parameter", args=("model.norm.weight",), kwargs={"replace": replace}
+            )
+            perturb(model, seed=v + 1)
             with pytest.raises(PushError, match="moved since they were exported"):
-                await refit.push(61)
-            assert llm.llm_engine.get_weight_version() == "60"
-            assert await workers[0].weight_version() == 60
+                await refit.push(v + 1)
+            assert llm.llm_engine.get_weight_version() == str(v)
+            assert await workers[0].weight_version() == v
         async with RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit:
-            report = await refit.push(62)
+            report = await refit.push(v + 2)
             assert set(report.bytes_per_transport) == {"direct"}
             assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
                 model, prompts, TOKENS

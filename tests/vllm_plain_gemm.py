@@ -31,11 +31,17 @@ utils.dispatch_cpu_unquantized_gemm = _torch_linear
 class PlainGemmRefitWorkerExtension(RefitWorkerExtension):
     """asyncrefit's worker extension, loaded from a module that keeps weights as loaded."""
 
-    def test_move_a_parameter(self, name: str) -> None:
-        """Give parameter ``name`` new memory (as reloading a model does)."""
+    def test_move_a_parameter(self, name: str, replace: bool = False) -> None:
+        """Give parameter ``name`` new memory (as reloading a model does); with
+        ``replace``, a new parameter object in its module (the old one left as it was)."""
         model = self._asyncrefit_engine().model
         param = dict(model.named_parameters())[name]
-        param.data = param.data.clone()
+        if replace:
+            owner, _, attr = name.rpartition(".")
+            new = torch.nn.Parameter(param.data.clone(), requires_grad=False)
+            setattr(model.get_submodule(owner), attr, new)
+        else:
+            param.data = param.data.clone()
 
 
 #: ``worker_extension_cls`` for a CPU engine written directly.

@@ -54,8 +54,18 @@ class DirectExport:
     destinations: Destinations
     plan: CopyPlan
     shared: SharedParameters
-    #: Where each parameter written lived when it was exported (``data_ptr``).
-    addresses: dict[str, int]
+    #: Each parameter written, as exported: the module holding it, its attribute
+    #: there, the parameter, and where its memory was (``data_ptr``).
+    places: tuple[tuple[torch.nn.Module, str, torch.nn.Parameter, int], ...]
+
+    def moved(self) -> bool:
+        """Whether a parameter exported is no longer where it was: replaced in its
+        module, or its memory moved (``param.data = ...``). One dictionary look-up per
+        parameter, with no walk of the model: asked at every direct begin."""
+        return any(
+            owner._parameters.get(attr) is not param or param.data_ptr() != ptr
+            for owner, attr, param, ptr in self.places
+        )
 
     def close(self) -> None:
         self.shared.close()
@@ -168,8 +178,11 @@ def export(
         generation=generation,
     )
     found.check()
-    addresses = {n: p.data_ptr() for n, p in targets.items()}
-    return DirectExport(destinations=found, plan=plan, shared=shared, addresses=addresses)
+    places = []
+    for name, param in targets.items():
+        owner, _, attr = name.rpartition(".")
+        places.append((model.get_submodule(owner), attr, param, param.data_ptr()))
+    return DirectExport(destinations=found, plan=plan, shared=shared, places=tuple(places))
 
 
 def synchronize(model: Any) -> None:

@@ -222,11 +222,7 @@ class ReloadSink:
     def _moved(self) -> bool:
         """Whether a parameter the export covers no longer lives where it was exported."""
         assert isinstance(self._export, DirectExport)
-        params = dict(self._target.model.named_parameters())
-        return any(
-            name not in params or params[name].data_ptr() != ptr
-            for name, ptr in self._export.addresses.items()
-        )
+        return self._export.moved()
 
     def _learn(self, model: Any) -> DirectExport | str:
         if self._device is None:
