@@ -276,27 +276,9 @@ class RankChannels:
         (counted as ``trigger_bytes``).
         """
         async with self._lock:
-            if self.dead is not None:
-                raise WorkerDiedError(self.name, self.dead)
             self._next_id += 1
             request_id = self._next_id
-            for rank, request in requests.items():
-                await self._send(rank, request_id, request)
-            trigger_bytes = len(encode(carried(request_id)))
-            for tally in self._tally:
-                tally.trigger_bytes = trigger_bytes
-            replies: dict[int, Reply] = {}
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(trigger, request_id)
-                    for rank in requests:
-                        tg.start_soon(self._receive, rank, request_id, replies)
-            except BaseExceptionGroup as group:
-                primary = primary_error(group)
-                if primary is None:
-                    raise
-                raise primary from None
-            return replies
+            return await self._exchange(requests, request_id, False, trigger, carried)
 
     async def control(self, requests: Mapping[int, Request]) -> dict[int, Reply]:
         """Write each rank's request on its control channel and gather the replies:
@@ -306,20 +288,38 @@ class RankChannels:
         naming the rank. The caller bounds the wait.
         """
         async with self._control_lock:
-            if self.dead is not None:
-                raise WorkerDiedError(self.name, self.dead)
             self._next_control_id += 1
             request_id = self._next_control_id
-            for rank, request in requests.items():
-                await self._send(rank, request_id, request, control=True)
-            replies: dict[int, Reply] = {}
-            try:
-                async with anyio.create_task_group() as tg:
-                    for rank in requests:
-                        tg.start_soon(self._receive, rank, request_id, replies, True)
-            except BaseExceptionGroup as group:
-                primary = primary_error(group)
-                if primary is None:
-                    raise
-                raise primary from None
-            return replies
+            return await self._exchange(requests, request_id, True)
+
+    async def _exchange(
+        self,
+        requests: Mapping[int, Request],
+        request_id: int,
+        control: bool,
+        trigger: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+        carried: Callable[[int], object] | None = None,
+    ) -> dict[int, Reply]:
+        """One exchange under its channels' lock: the frames, the trigger if any, the
+        replies; a failure raised as the task group's primary error."""
+        if self.dead is not None:
+            raise WorkerDiedError(self.name, self.dead)
+        for rank, request in requests.items():
+            await self._send(rank, request_id, request, control)
+        if carried is not None:
+            trigger_bytes = len(encode(carried(request_id)))
+            for tally in self._tally:
+                tally.trigger_bytes = trigger_bytes
+        replies: dict[int, Reply] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+                if trigger is not None:
+                    tg.start_soon(trigger, request_id)
+                for rank in requests:
+                    tg.start_soon(self._receive, rank, request_id, replies, control)
+        except BaseExceptionGroup as group:
+            primary = primary_error(group)
+            if primary is None:
+                raise
+            raise primary from None
+        return replies
