@@ -56,3 +56,24 @@ def make_gpu_medium() -> torch.nn.Module:
     for i in range(6):
         m.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(2048, 2048)))
     return m.to("cuda")
+
+
+def write_then_die(destinations: object, sends: object, repeats: int) -> None:
+    """A trainer process that opens ``destinations`` (a worker's, on GPU 0), issues
+    ``repeats`` writes of ones into every place, records the worker's completion event
+    after them, says so on ``sends`` (a connection) and exits at once, its writes still
+    running: what a trainer killed mid-push leaves behind."""
+    import os
+
+    from asyncrefit.transport.destinations import Destinations, open_destinations
+
+    assert isinstance(destinations, Destinations)
+    opened = open_destinations(destinations)
+    with torch.no_grad():
+        for _ in range(repeats):
+            for places in opened.places.values():
+                for place, _box in places:
+                    place.fill_(1.0)
+    assert opened.mark()
+    sends.send("recorded")  # type: ignore[attr-defined]
+    os._exit(0)

@@ -194,6 +194,31 @@ async def test_one_push_mixes_direct_and_staged_workers() -> None:
     assert own_segments() == []
 
 
+class _Event:
+    """Stands for a worker's completion event: complete after ``polls`` queries
+    (never, with ``None``). The GPU tests wait on real ones."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls = polls
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+
+def test_a_direct_commit_waits_for_the_trainers_writes_in_bounded_time() -> None:
+    from asyncrefit.transport.destinations import SharedParameters
+
+    found = Destinations(kind="cuda_ipc", device=cpu_device(0), regions=(), entries=())
+    later = _Event(polls=5)
+    SharedParameters(found, event=later).wait_for_writes(timeout=10.0)
+    assert later.queries == 6
+    SharedParameters(found).wait_for_writes(timeout=0.0)  # no event: writes are done
+    with pytest.raises(TransportError, match=r"did not complete within 0.05 s"):
+        SharedParameters(found, event=_Event(polls=None)).wait_for_writes(timeout=0.05)
+
+
 def test_write_batches_group_consecutive_buckets_up_to_the_limit() -> None:
     from asyncrefit import ParamSpec
     from asyncrefit._core._push import write_batches
@@ -477,6 +502,80 @@ async def test_direct_push_into_gpu_workers_is_bitwise_equal() -> None:
                 await assert_hold(workers, model, version)
                 assert report.slots == 0
                 assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run with -m gpu on a GPU machine)")
+async def test_gpu_workers_commit_after_the_writes_the_trainer_did_not_wait_for() -> None:
+    """A GPU worker exports a completion event; the source records it after its writes
+    and waits for nothing on the host (flush(wait=False)); each worker's commit waits
+    for the event, so every byte is in when the push returns."""
+    from asyncrefit._cuda import cuda_device
+
+    from .gpu_models import make_gpu_mixed
+
+    model = make_gpu_mixed()
+    dev = cuda_device(0)
+    synchronized: list[object] = []
+    real = torch.cuda.synchronize
+
+    def spy(device: object = None) -> None:
+        synchronized.append(device)
+        real(device)  # type: ignore[arg-type]
+
+    async with spawn_local_workers(
+        make_gpu_mixed, 2, devices=[dev, dev], shared_parameters=True
+    ) as workers:
+        found = [await w.destinations() for w in workers]
+        assert all(d is not None and d.event for d in found)
+        trainer = LocalTrainer(model, devices=[dev])
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=1 << 20
+        ) as refit:
+            await refit.push(1)
+            for version in (2, 3):
+                step(model, version)
+                torch.cuda.synchronize()
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(torch.cuda, "synchronize", spy)
+                    await refit.push(version)
+                await assert_hold(workers, model, version)
+    assert synchronized == []  # the trainer never waited for its writes on the host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run with -m gpu on a GPU machine)")
+@pytest.mark.timeout(120)
+def test_a_worker_never_commits_writes_of_a_trainer_that_died_before_they_ran() -> None:
+    """The trainer records the worker's event after gigabytes of writes and exits at
+    once. The worker's wait either gives up in its time (the record never completes)
+    or returns with every byte written: it never returns on half-written memory."""
+    import multiprocessing
+
+    from asyncrefit._cuda import cuda_device
+    from asyncrefit.transport.destinations import SharedParameters
+
+    from .gpu_models import write_then_die
+
+    params = {f"p{i}": torch.zeros(64 << 20, device="cuda") for i in range(4)}  # 1 GiB
+    shared = share_parameters(params, cuda_device(0))
+    assert isinstance(shared, SharedParameters) and shared.destinations.event
+    ctx = multiprocessing.get_context("spawn")
+    receives, sends = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=write_then_die, args=(shared.destinations, sends, 400))
+    child.start()
+    try:
+        assert receives.poll(60) and receives.recv() == "recorded"
+        try:
+            shared.wait_for_writes(timeout=10.0)
+        except TransportError as exc:
+            assert "did not complete" in str(exc)
+        else:
+            assert all(bool((p == 1.0).all()) for p in params.values())
+    finally:
+        child.join(30)
+        shared.close()
+    assert child.exitcode == 0
 
 
 # --- destinations made of blocks (an engine that fuses and shards) ---------------------

@@ -188,15 +188,18 @@ class WritingSource(TrainerSource, Protocol):
     worker then gets no staged buckets from it); it raises for destinations that do
     not match the plan. ``write(buckets, workers)`` writes the tensors of
     ``buckets`` (consecutive buckets of the plan, in order) into each attached
-    worker's places, complete on return except on a device, where ``flush()`` waits
-    for every write issued; ``detach(worker)`` closes what
-    ``attach`` opened (``aclose`` closes them all).
+    worker's places, complete on return except on a device, where
+    ``flush(wait=True)`` waits for every write issued, and ``flush(wait=False)``
+    records the completion event of each worker that exported one
+    (:attr:`~asyncrefit.transport.destinations.Destinations.event`: the worker waits
+    for it before it commits) and waits for the writes into the others;
+    ``detach(worker)`` closes what ``attach`` opened (``aclose`` closes them all).
     """
 
     async def attach(self, worker: str, destinations: Destinations, plan: Plan) -> bool: ...
 
     async def write(self, buckets: Sequence[Bucket], workers: Sequence[str]) -> None: ...
 
-    async def flush(self) -> None: ...
+    async def flush(self, *, wait: bool = True) -> None: ...
 
     async def detach(self, worker: str) -> None: ...

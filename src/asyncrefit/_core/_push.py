@@ -15,8 +15,11 @@ and the sources' end of push are shielded from cancellation and bounded in time.
 
 Workers written directly (``topology.direct``) are told to begin, then their source
 writes every bucket into them in plan order (no slot, no request per bucket), then
-they commit: two calls per worker per push. A failure aborts them like the others;
-a worker that died meanwhile is found at its commit (or abort).
+they commit: two calls per worker per push. On a GPU the commit goes as soon as the
+writes are issued: the source records the worker's completion event after them, and
+the worker waits for it before it commits. A failure aborts them like the others
+(once the source waited for every write it issued); a worker that died meanwhile is
+found at its commit (or abort).
 
 Error handling: worker calls are bounded by the timeout and their errors made typed
 (:func:`call_worker`). A failure or cancellation of the transfer tells every touched,
@@ -30,6 +33,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
@@ -272,7 +276,8 @@ class Push:
 
     async def _write_direct(self) -> None:
         """Have each source write every bucket into its direct members, in plan order,
-        once every worker began; then wait for the writes issued on a device.
+        once every worker began; then end the writes issued on a device (a worker
+        that exported a completion event waits for it itself, at its commit).
 
         Consecutive buckets go to a source together, up to ``write_batch_bytes`` of
         payload a call (at least one bucket): what a source may materialise at once
@@ -293,10 +298,13 @@ class Push:
                 async with anyio.create_task_group() as tg:
                     for i, source in sources.items():
                         tg.start_soon(source.write, batch, names[i])
-        with self._recorder.writing((), "direct", count):  # the device's writes end
+        # The writes issued on a device end: a worker that exported a completion event
+        # gets it recorded and waits for it at its commit (which goes at once); the
+        # devices of the others are waited for here.
+        with self._recorder.writing((), "direct", count):
             async with anyio.create_task_group() as tg:
                 for source in sources.values():
-                    tg.start_soon(source.flush)
+                    tg.start_soon(partial(source.flush, wait=False))
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)
@@ -472,7 +480,7 @@ class Push:
 
         async def one(source: WritingSource) -> None:
             try:
-                await source.flush()
+                await source.flush(wait=True)
             except Exception as exc:
                 logger.warning("trainer source %r could not finish its writes: %s", source, exc)
 

@@ -271,6 +271,16 @@ class ParameterReceiver(Endpoint[Done]):
             # trainer writes them.
             torch.cuda.synchronize(self.parameter_sink.parameters_device())
 
+    def commit(self, version: int, buckets: int) -> None:
+        """Commit ``version``; a direct one once the trainer's writes ran (on a GPU, the
+        completion event it recorded after them: see
+        :meth:`~asyncrefit.transport.destinations.SharedParameters.wait_for_writes`,
+        whose :class:`~asyncrefit.TransportError` leaves the version uncommitted)."""
+        state = self.state
+        if self._shared is not None and state.direct and state.pending == version:
+            self._shared.wait_for_writes()
+        super().commit(version, buckets)
+
     def close(self) -> None:
         super().close()
         if self._shared is not None:

@@ -235,8 +235,8 @@ class RefitTrainerMixin:
         """Write ``buckets`` into each of ``workers``' exported parameters."""
         await self.refit_source.write(buckets, workers)
 
-    async def refit_source_flush(self) -> None:
-        await self.refit_source.flush()
+    async def refit_source_flush(self, wait: bool = True) -> None:
+        await self.refit_source.flush(wait=wait)
 
     async def refit_source_detach(self, worker: str) -> None:
         await self.refit_source.detach(worker)
@@ -377,10 +377,12 @@ class RayTrainerSource:
         """One actor call per batch of buckets, whatever the number of workers written."""
         await self._call("refit_source_write", tuple(buckets), tuple(workers))
 
-    async def flush(self) -> None:
-        """Wait for the writes issued on a GPU (no call when no worker is on one)."""
+    async def flush(self, *, wait: bool = True) -> None:
+        """End the writes issued on a GPU, as :meth:`LocalTrainer.flush
+        <asyncrefit.trainer._direct.DirectWriter.flush>` (no call when no worker is on
+        one)."""
         if self._on_device:
-            await self._call("refit_source_flush")
+            await self._call("refit_source_flush", wait)
 
     async def detach(self, worker: str) -> None:
         self._on_device.discard(worker)

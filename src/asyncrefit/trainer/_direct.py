@@ -11,7 +11,9 @@ them, for a checkpoint layout): one copy per byte, nothing staged.
 It runs in the source's packing thread, under its buffer lock (the
 :class:`~asyncrefit.trainer._local._SourceBase` machinery): a close waits for a write
 still running. On a GPU the copies are issued on the thread's current stream and
-:meth:`DirectWriter.flush` waits for them; on the CPU they are complete on return.
+:meth:`DirectWriter.flush` ends them: it records each worker's completion event after
+them (the worker waits for it at its commit) or waits for them; on the CPU they are
+complete on return.
 """
 
 from __future__ import annotations
@@ -135,15 +137,18 @@ class DirectWriter:
             self._write_all, tuple(buckets), tuple(workers), limiter=self._limiter
         )
 
-    async def flush(self) -> None:
-        """Wait for every write issued on a GPU (nothing to do on the CPU)."""
-        devices = {
-            o.device
-            for o in self._attached.values()
-            if o.device is not None and o.device.type == "cuda"
-        }
-        if devices:
-            await anyio.to_thread.run_sync(_synchronize, devices, limiter=self._limiter)
+    async def flush(self, *, wait: bool = True) -> None:
+        """End the writes issued on a GPU (nothing to do on the CPU).
+
+        ``wait``: return once they ran. Otherwise a worker that exported a completion
+        event gets it recorded after them (it waits for it at its commit), and only
+        the devices of the others are waited for.
+        """
+        attached = [
+            o for o in self._attached.values() if o.device is not None and o.device.type == "cuda"
+        ]
+        if attached:
+            await anyio.to_thread.run_sync(_end_writes, attached, wait, limiter=self._limiter)
 
     def _write_all(self, buckets: tuple[Bucket, ...], workers: tuple[str, ...]) -> None:
         for bucket in buckets:
@@ -259,9 +264,12 @@ def _one_call(targets: list[Target]) -> bool:
     return nbytes < _PER_TENSOR_BYTES * len(targets)
 
 
-def _synchronize(devices: set[torch.device]) -> None:
+def _end_writes(attached: list[OpenedDestinations], wait: bool) -> None:
+    """Record each worker's completion event (unless ``wait``), then wait for the
+    devices of the workers that have none (of all of them with ``wait``)."""
     import torch
 
+    devices = {o.device for o in attached if wait or not o.mark()}
     for device in devices:
         torch.cuda.synchronize(device)
 

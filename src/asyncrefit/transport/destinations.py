@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._device import DeviceId
@@ -42,6 +43,9 @@ from .shm import _Segment, _unlink, segment_name
 
 if TYPE_CHECKING:
     import torch
+
+#: How long a worker waits at a direct commit for the trainer's writes to run (seconds).
+WRITES_TIMEOUT = 60.0
 
 #: Each parameter's place is aligned to this many bytes (a cache line; every dtype's size).
 ALIGNMENT = 64
@@ -106,6 +110,12 @@ class Destinations:
     GPU parameters, in place, on the GPU ``device`` names by UUID: one region per
     storage). ``generation`` changes whenever the worker lays its parameters out
     anew, so a trainer re-opens them then.
+
+    ``event`` (GPU only; may be empty) is the IPC handle of an interprocess CUDA event
+    the worker made: a trainer that opened it records it on its stream after its last
+    write of a push, and the worker waits for it before it commits that push
+    (:meth:`SharedParameters.wait_for_writes`). The commit can then be sent while the
+    writes still run, instead of after the trainer waited for them on the host.
     """
 
     kind: Literal["shm", "cuda_ipc"]
@@ -113,6 +123,7 @@ class Destinations:
     regions: tuple[Region, ...]
     entries: tuple[DestinationEntry, ...]
     generation: int = 0
+    event: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -198,9 +209,35 @@ class SharedParameters:
     view). GPU parameters stay the worker's own. Idempotent.
     """
 
-    def __init__(self, destinations: Destinations, segment: Any = None) -> None:
+    def __init__(self, destinations: Destinations, segment: Any = None, event: Any = None) -> None:
         self.destinations = destinations
         self._segment = segment
+        self._event = event  # torch.cuda.Event(interprocess=True): destinations.event
+
+    def wait_for_writes(self, timeout: float = WRITES_TIMEOUT) -> None:
+        """Return once the trainer's writes of the push being committed ran: the last
+        record of :attr:`Destinations.event` completed (nothing to wait for on the CPU,
+        where writes are complete when the trainer's write call returns, or for an
+        event never recorded).
+
+        Polls, bounded by ``timeout`` seconds: the record of a trainer that died before
+        it ran never completes, and this worker must then neither commit nor hang.
+        Raises :class:`TransportError` when the time is up; the version stays
+        uncommitted.
+        """
+        event = self._event
+        if event is None or event.query():
+            return
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"the trainer's writes into this worker did not complete within {timeout} s "
+                    "(a trainer that died with writes in flight): not committed"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def __repr__(self) -> str:
         d = self.destinations
@@ -241,7 +278,11 @@ def share_parameters(
         )
     where = next(iter(devices), torch.device("cpu"))
     if where.type == "cuda":
-        return SharedParameters(_share_cuda(parameters, device, generation))
+        from .cuda_ipc import interprocess_event
+
+        event, handle = interprocess_event(where.index if where.index is not None else 0)
+        shared = replace(_share_cuda(parameters, device, generation), event=handle)
+        return SharedParameters(shared, event=event)
     if where.type != "cpu":
         raise TransportError(f"parameters on {where} cannot be shared for direct writes")
     entries, nbytes = layout(parameters)
@@ -318,9 +359,26 @@ class OpenedDestinations:
         for e in destinations.entries:
             self.places.setdefault(e.name, []).append((place(regions, e), e.source_box))
         self.device = regions[0].device if regions else None
+        # The worker's completion event, opened here (None: the writes are waited for).
+        self.event: Any = None
+        if destinations.event and self.device is not None and self.device.type == "cuda":
+            from .cuda_ipc import _open_event
+
+            self.event = _open_event(destinations.event, self.device.index or 0)
+
+    def mark(self) -> bool:
+        """Record the worker's completion event on this thread's stream of the device
+        (after the writes issued on it); ``False`` if there is none to record."""
+        if self.event is None:
+            return False
+        import torch
+
+        self.event.record(torch.cuda.current_stream(self.device))
+        return True
 
     def close(self) -> None:
         self.places = {}
+        self.event = None
 
 
 def unlink_segments(destinations: Destinations) -> None:

@@ -176,6 +176,7 @@ def export(
         regions=shared.destinations.regions,
         entries=tuple(entries),
         generation=generation,
+        event=shared.destinations.event,
     )
     found.check()
     places = []

@@ -296,6 +296,9 @@ class ReloadSink:
         if self._direct is not None:
             if self._direct != version:
                 raise UpdateStateError(f"version {version} is not being written")
+            if isinstance(self._export, DirectExport):
+                # On a GPU: the trainer's writes ran (the event it recorded after them).
+                self._export.shared.wait_for_writes()
             self._commit = (version, buckets)
             return False  # complete once vLLM's update is finished (finish)
         # Layers that share tensors with written ones must be renewed after the
