@@ -89,6 +89,8 @@ class FakeWorker:
         # error, once.
         self.controlled: list[str] = []
         self.fail: set[str] = set()
+        # Called when a direct version begins (the trainer may write from then on).
+        self.direct_begun: Callable[[], None] = lambda: None
 
     async def connect(self, path: str) -> None:
         self.stream = await anyio.connect_unix(path)
@@ -106,6 +108,8 @@ class FakeWorker:
                 request_id, request = RefDecoder().decode(await reader.receive())
                 kind = type(request).__name__
                 self.controlled.append(kind)
+                if isinstance(request, BeginUpdate) and request.direct:
+                    self.direct_begun()
                 hook = self.before.pop(kind, None)
                 if hook is not None:
                     await hook()
@@ -188,6 +192,8 @@ class FakeEngine:
             weight_transfer_config=SimpleNamespace(backend=BACKEND), parallel_config=parallel
         )
         self.workers = [FakeWorker(r, specs) for r in range(world)]
+        for w in self.workers:
+            w.direct_begun = self._weights_change
         self.calls: list[str] = []
         self.paused = False
         self.session = False
@@ -283,6 +289,9 @@ class FakeEngine:
                 await w.close()
 
         await self._call("shutdown", run)
+
+    def _weights_change(self) -> None:
+        self.cache_stale = True  # a trainer writes the model's weights from now on
 
     async def pause(self) -> None:
         async def run() -> None:
@@ -565,15 +574,17 @@ async def begin_direct(workers: list[VLLMWorker], version: int) -> None:
     await each(workers, lambda w: w.begin_direct(version))
 
 
-async def test_a_direct_version_makes_no_engine_call_but_pause_label_reset_and_resume() -> None:
+async def test_a_direct_version_makes_no_engine_call_but_pause_reset_label_and_resume() -> None:
     """The ranks' control threads take the begin and the commit: vLLM's update is never
-    opened, no trigger RPC is sent, and the cache is still reset before resuming."""
+    opened, no trigger RPC is sent, and the cache is still reset before resuming (while
+    the ranks commit), so no generation resumes on a stale cache."""
     async with engine_link(world=2) as (engine, workers):
         for version in (1, 2):
             await begin_direct(workers, version)
             assert engine.paused
             await each(workers, lambda w, v=version: w.commit_update(v, 3))  # type: ignore[misc]
-        assert after(engine.calls, "pause") == ["pause", "label:2", "reset", "resume"]
+        assert after(engine.calls, "pause") == ["pause", "reset", "label:2", "resume"]
+        assert engine.stale_resumes == 0
         assert engine.calls.count("pause") == 2 and "start" not in engine.calls
         assert not [c for c in engine.calls if c in ("serve", "update") or "finish" in c]
         for w in engine.workers:
@@ -593,12 +604,35 @@ async def test_a_direct_commit_refused_at_one_rank_is_aborted_on_the_control_cha
         assert all("rank-1" in str(e) or "rank 1" in str(e) for e in errors)
         await workers[0].abort_update(1)  # as the coordinator does
         assert [w.controlled[-1] for w in engine.workers] == ["AbortUpdate", "AbortUpdate"]
-        # vLLM's update was never open: nothing to finish; bytes were written
-        assert after(engine.calls, "pause") == ["pause", "label:incomplete-1", "reset", "resume"]
+        # vLLM's update was never open: nothing to finish; bytes were written (the
+        # reset that ran with the commit is made again before resuming)
+        assert after(engine.calls, "pause") == [
+            "pause",
+            "reset",
+            "label:incomplete-1",
+            "reset",
+            "resume",
+        ]
+        assert engine.stale_resumes == 0
         assert engine.label == "incomplete-1" and not engine.paused
         await begin_direct(workers, 2)  # the next push begins
         await each(workers, lambda w: w.commit_update(2, 3))
         assert engine.label == "2"
+
+
+async def test_a_reset_failed_during_a_direct_commit_fails_it_and_the_abort_resets() -> None:
+    async with engine_link(world=2) as (engine, workers):
+        await begin_direct(workers, 1)
+        engine.fail["reset"] = 1
+        with pytest.raises(ExceptionGroup) as info:
+            await each(workers, lambda w: w.commit_update(1, 3))
+        assert any("resetting the prefix cache failed" in str(e) for e in info.value.exceptions)
+        # Every rank committed: the version is in, and its label says so.
+        assert [w.controlled[-1] for w in engine.workers] == ["CommitUpdate"] * 2
+        assert engine.label == "1" and engine.paused and engine.cache_stale
+        await workers[0].abort_update(1)  # as the coordinator does
+        assert after(engine.calls, "label:1") == ["label:1", "reset", "resume"]
+        assert engine.stale_resumes == 0 and not engine.paused and engine.label == "1"
 
 
 async def test_a_direct_begin_refused_ends_with_an_abort_and_resumes() -> None:

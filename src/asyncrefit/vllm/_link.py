@@ -93,6 +93,22 @@ CLEANUP_TIMEOUT = 45.0
 # --- error translation -------------------------------------------------------------
 
 
+def _all_or_nothing(replies: dict[int, Reply]) -> dict[int, Reply] | None:
+    """``None`` if every rank committed; otherwise every rank's reply as an error (the
+    refusing ones' own, a ``PeerCommitError`` naming the first of them for the rest):
+    no rank may count as committed while the session stays open (the coordinator
+    aborts it)."""
+    failed = {r: e for r, e in replies.items() if isinstance(e, ErrorReply)}
+    if not failed:
+        return None
+    bad, error = min(failed.items())
+    peer = ErrorReply(
+        type="PeerCommitError",
+        message=f"rank {bad} could not commit: {error.type}: {error.message}",
+    )
+    return {r: failed.get(r, peer) for r in replies}
+
+
 def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Exception:
     """``exc`` (from vLLM, or from a step of every rank) as a typed error of ``name``.
 
@@ -331,38 +347,12 @@ class _EngineLink:
             async with self._session_lock:
                 if not self._session.receiving(version):
                     raise AsyncRefitError(f"version {version} is not being received")
-                steps: tuple[EngineStep, ...] = self._session.commit(version)
                 if self._direct:
-                    # Each rank's control thread commits and ends its update (a rank
-                    # ends it only if it committed), with no engine RPC: asked as the
-                    # finish, so a failure from here on labels the engine incomplete.
-                    finish = steps[0]
-                    assert isinstance(finish, Finish)
-                    self._session.asking(finish)
-                    replies = await self._channels.control(requests)
-                    steps = steps[1:]
-                else:
-                    replies = await self._exchange(requests, "update")
-                failed = {r: e for r, e in replies.items() if isinstance(e, ErrorReply)}
-                if failed:
-                    # All or nothing: no rank may count as committed while the session
-                    # stays open (the coordinator aborts it).
-                    bad, error = min(failed.items())
-                    peer = ErrorReply(
-                        type="PeerCommitError",
-                        message=f"rank {bad} could not commit: {error.type}: {error.message}",
-                    )
-                    return {r: failed.get(r, peer) for r in replies}
-                if self._direct:
-                    try:
-                        await self._ops.set_label(str(version))  # the finish's label
-                    except Exception as exc:
-                        raise WorkerRemoteError(
-                            self.name,
-                            type(exc).__name__,
-                            f"version {version} is in, but labelling it failed: {exc}",
-                        ) from exc
-                    self._session.done(finish)
+                    return await self._commit_direct(requests, version)
+                steps = self._session.commit(version)
+                replies = await self._exchange(requests, "update")
+                if (refused := _all_or_nothing(replies)) is not None:
+                    return refused
                 # Finish (the label), then reset the cache: the label and the cache move
                 # together, no block computed with older weights is reused once
                 # generation resumes. A step that fails leaves it asked for: still
@@ -374,16 +364,62 @@ class _EngineLink:
                     except Exception as exc:
                         if isinstance(step, Finish):
                             raise
-                        raise WorkerRemoteError(
-                            self.name,
-                            type(exc).__name__,
-                            f"version {version} is in, but {step.what} failed: {exc}",
-                        ) from exc
+                        raise self._failed_after_commit(version, step.what, exc) from exc
                     self._session.done(step)
                 return replies
 
         request = CommitUpdate(version=version, buckets=buckets)
         return await self._barrier.gather(("commit", version), rank, request, run)
+
+    async def _commit_direct(self, requests: dict[int, Request], version: int) -> dict[int, Reply]:
+        """Commit a direct version: each rank's control thread waits for the trainer's
+        writes, commits and ends its update (a rank ends it only if it committed), with
+        no engine RPC; the engine's cache reset runs meanwhile; then the label and the
+        resume.
+
+        The commit is asked as the session's finish, so a failure from here on labels
+        the engine incomplete. The reset may run with the ranks: generation is paused
+        and every write was issued before the commit, so no block is computed until
+        generation resumes, and a reset now leaves none made with older weights (if the
+        commit fails, the abort's resume resets again). A step that fails leaves it
+        asked for, as in :meth:`commit`.
+        """
+        finish, reset, resume = self._session.commit(version)
+        self._session.asking(finish)
+        reset_failed: list[Exception] = []
+
+        async def reset_cache() -> None:
+            try:
+                await self._call(reset)
+            except Exception as exc:
+                reset_failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reset_cache)
+            replies = await self._channels.control(requests)
+        if (refused := _all_or_nothing(replies)) is not None:
+            return refused
+        try:
+            await self._ops.set_label(str(version))  # the finish's label
+        except Exception as exc:
+            raise self._failed_after_commit(version, "labelling it", exc) from exc
+        self._session.done(finish)
+        self._session.asking(reset)  # it ran while the ranks committed
+        for failure in reset_failed:
+            raise self._failed_after_commit(version, reset.what, failure) from failure
+        self._session.done(reset)
+        self._session.asking(resume)
+        try:
+            await self._call(resume)
+        except Exception as exc:
+            raise self._failed_after_commit(version, resume.what, exc) from exc
+        self._session.done(resume)
+        return replies
+
+    def _failed_after_commit(self, version: int, what: str, exc: Exception) -> WorkerRemoteError:
+        return WorkerRemoteError(
+            self.name, type(exc).__name__, f"version {version} is in, but {what} failed: {exc}"
+        )
 
     async def abort(self, rank: int, version: int) -> None:
         """End the engine's session, whichever rank asks first; never waits for others.
