@@ -74,6 +74,58 @@ def _named_parameters(
     return out
 
 
+class _Reading:
+    """The engine's tensors of a trainer, read at every push without redoing what did
+    not change.
+
+    ``read()`` walks the trainer's tensors (``trainer``) and, if every name, object,
+    shape and dtype is as the last walk found them, answers the engine's tensors it
+    made then; otherwise it makes them anew (``make``: the checkpoint layout and the
+    name map). It keeps them only when each engine tensor is one of the trainer's own
+    tensors or :class:`~asyncrefit.trainer._slices.Slices` of them (both read the
+    trainer's memory when written, wherever it is then), never a view, which would
+    keep viewing memory a parameter no longer has. ``made`` counts the times they were
+    made anew: two reads with the same count answered the same tensors.
+    """
+
+    __slots__ = ("_engine", "_make", "_names", "_shapes", "_trainer", "_values", "made")
+
+    def __init__(
+        self,
+        trainer: Callable[[], Mapping[str, torch.Tensor]],
+        make: Callable[[], Mapping[str, torch.Tensor]],
+    ) -> None:
+        self._trainer = trainer
+        self._make = make
+        self._names: tuple[str, ...] = ()
+        self._values: tuple[torch.Tensor, ...] = ()
+        self._shapes: tuple[tuple[torch.Size, torch.dtype], ...] = ()
+        self._engine: Mapping[str, torch.Tensor] | None = None
+        self.made = 0
+
+    def read(self) -> Mapping[str, torch.Tensor]:
+        raw = self._trainer()
+        kept = self._engine
+        if (
+            kept is not None
+            and len(raw) == len(self._values)
+            and all(a is b for a, b in zip(raw.values(), self._values, strict=True))
+            and tuple(raw) == self._names
+            and tuple((t.shape, t.dtype) for t in self._values) == self._shapes
+        ):
+            return kept
+        self.made += 1
+        engine = self._make()
+        values = tuple(raw.values())
+        own = {id(t) for t in values}
+        keep = all(id(t) in own or isinstance(t, Slices) for t in engine.values())
+        self._engine = engine if keep else None
+        self._names = tuple(raw)
+        self._values = values
+        self._shapes = tuple((t.shape, t.dtype) for t in values)
+        return engine
+
+
 class _SourceBase:
     """What every source of this process shares: its name, node and devices; one
     packing thread at a time; closing off the event loop; naming a failed parameter."""
@@ -227,7 +279,8 @@ class _InProcessSource(_SourceBase):
                 tensors = layout(tensors)
             return engine_named(tensors, names_map, source=name)
 
-        self._tensors = engine_tensors
+        self._reading = _Reading(trainer_named, engine_tensors)
+        self._tensors = self._reading.read
         # The tensors as read by the last describe (the start of a push): walking a
         # module's parameters for every bucket would cost more than packing small ones.
         self._current: Mapping[str, torch.Tensor] | None = None
@@ -235,6 +288,7 @@ class _InProcessSource(_SourceBase):
         # What the last describe saw, and what it answered (kept while nothing changes).
         self._described_key: tuple[tuple[str, torch.Size, torch.dtype], ...] = ()
         self._info_cache: SourceInfo | None = None
+        self._described_made = -1  # the reading's count when the last describe answered
 
     def specs(self) -> tuple[ParamSpec, ...]:
         """The current parameters' names, shapes and dtypes, in order."""
@@ -260,12 +314,16 @@ class _InProcessSource(_SourceBase):
         """
         current = dict(self._tensors())
         self._current = current
+        made = self._reading.made
+        if self._info_cache is not None and made == self._described_made:
+            return self._info_cache  # the same tensors as the last describe's
         key = tuple((name, t.shape, t.dtype) for name, t in current.items())
         if self._info_cache is None or key != self._described_key:
             specs = self._specs(current)
             self._described = {s.name: s for s in specs}
             self._info_cache = self._info(specs)
             self._described_key = key
+        self._described_made = made
         return self._info_cache
 
     def _tensor(
