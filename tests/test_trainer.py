@@ -447,6 +447,35 @@ async def test_describe_answers_the_same_info_until_a_spec_changes() -> None:
         await source.aclose()
 
 
+def test_the_engine_tensors_are_kept_only_while_the_trainer_tensors_are_unchanged() -> None:
+    from asyncrefit.trainer._local import _Reading
+
+    model = make_mlp()
+
+    def trainer() -> dict[str, torch.Tensor]:
+        return dict(model.named_parameters())
+
+    reading = _Reading(trainer, trainer)
+    first = reading.read()
+    assert reading.read() is first and reading.made == 1
+    weight = model.get_parameter("0.weight")
+    weight.data = weight.data.clone()  # new memory, same shape: the object reads it
+    assert reading.read() is first and first["0.weight"] is weight
+    weight.data = torch.zeros(weight.shape[0] + 1, weight.shape[1])  # a new shape
+    grown = reading.read()
+    assert grown is not first and reading.made == 2
+    model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))  # a new name
+    assert "extra" in reading.read() and reading.made == 3
+    model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))  # a new object
+    reading.read()
+    assert reading.made == 4 and reading.read()["extra"] is model.get_parameter("extra")
+    # A view of a trainer tensor is never kept: it would go on viewing old memory.
+    views = _Reading(trainer, lambda: {"w": model.get_parameter("0.weight")[:2]})
+    views.read()
+    views.read()
+    assert views.made == 2
+
+
 def test_the_trainer_reads_the_parameters_named_parameters_gives() -> None:
     """The trainer's own walk of a module (faster than ``named_parameters()``, which a
     push reads every time) gives the same names, order and objects: tied parameters
