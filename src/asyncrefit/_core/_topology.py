@@ -140,6 +140,15 @@ def wire_specs(trainer: Sequence[ParamSpec], members: Iterable[Member]) -> tuple
     wire = []
     for spec in trainer:
         dtype, worker = held.get(spec.name, (spec.dtype, ""))
+        scales = _scales_of(spec.name, held) if dtype.startswith("float8") else None
+        if scales is not None and not spec.dtype.startswith("float8"):
+            raise ParameterMismatchError(
+                worker,
+                spec.name,
+                f"{dtype} with scales ({scales!r}) on the worker, {spec.dtype} on the "
+                "trainer: a cast would leave the scales out; quantize on the trainer "
+                "(LocalTrainer(..., quantization=asyncrefit.quantization.Fp8Blocks(...)))",
+            )
         if not castable(spec.dtype, dtype):
             raise ParameterMismatchError(
                 worker,
@@ -149,6 +158,15 @@ def wire_specs(trainer: Sequence[ParamSpec], members: Iterable[Member]) -> tuple
             )
         wire.append(spec if dtype == spec.dtype else replace(spec, dtype=dtype))
     return tuple(wire)
+
+
+def _scales_of(name: str, held: Mapping[str, object]) -> str | None:
+    """The name of the scales a worker holds with FP8 weight ``name``, if any."""
+    base = name.removesuffix(".weight")
+    for scales in (f"{name}_scale_inv", f"{name}_scale", f"{base}.weight_scale"):
+        if scales in held:
+            return scales
+    return None
 
 
 def splittable(members: Sequence[Member]) -> frozenset[str]:

@@ -26,7 +26,7 @@ import anyio
 
 from .._exceptions import ClosedError, ParameterMismatchError
 from ..transport.destinations import Box, OpenedDestinations, open_destinations
-from ._slices import Slices, rows_of
+from ._slices import Lazy, Slices, rows_of
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +68,7 @@ class DirectWriter:
     def _packing(self, bucket: int, entry: TensorEntry) -> Any:
         raise NotImplementedError
 
-    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Lazy, name: str) -> None:
         raise NotImplementedError
 
     # --- attaching ---------------------------------------------------------------------
@@ -162,7 +162,7 @@ class DirectWriter:
             if targets is None:
                 targets = self._targets[(bucket.index, workers)] = self._places(bucket, workers)
             tensors = self._read()
-            sources: list[torch.Tensor | Slices] = []
+            sources: list[torch.Tensor | Lazy] = []
             for e in bucket.entries:
                 with self._packing(bucket.index, e):
                     sources.append(rows_of(self._tensor(tensors, bucket.index, e), e.part))
@@ -182,7 +182,7 @@ class DirectWriter:
                         self._copy_into(dst, source, e.name)
 
     def _materialized(
-        self, source: torch.Tensor | Slices, device: torch.device, name: str
+        self, source: torch.Tensor | Lazy, device: torch.device, name: str
     ) -> torch.Tensor:
         """An engine tensor made of several pieces, in a tensor of its own (a block
         that is not rows of it is cut from that)."""
@@ -236,7 +236,7 @@ def _cut(
     return place[lo - r0 : hi - r0], tuple(block)
 
 
-def _block(source: torch.Tensor | Slices, box: tuple[slice, ...] | None) -> torch.Tensor | Slices:
+def _block(source: torch.Tensor | Lazy, box: tuple[slice, ...] | None) -> torch.Tensor | Lazy:
     """The block ``box`` of ``source``: a view of a plain tensor, rows of pieces; other
     blocks of pieces are cut when written (see ``DirectWriter._write``)."""
     if box is None:
@@ -245,6 +245,7 @@ def _block(source: torch.Tensor | Slices, box: tuple[slice, ...] | None) -> torc
         rest = box[1:]
         if all(s.start == 0 and s.stop == n for s, n in zip(rest, source.shape[1:], strict=True)):
             return source.rows(box[0].start, box[0].stop) if box else source
+    if isinstance(source, Lazy):
         return source  # cut from the whole, once written
     return source[box]
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._gather import gather_into, gather_rows_into
 from ._local import LocalTrainer, NamesLike, TensorsLike
-from ._slices import Piece, Slices, is_plain, view_of
+from ._slices import Lazy, Piece, is_plain, view_of
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +99,8 @@ class DTensorSource(LocalTrainer):
         finally:
             self._rows = None  # the rows gathered last are not kept between buckets
 
-    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
-        if isinstance(tensor, Slices):
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Lazy, name: str) -> None:
+        if isinstance(tensor, Lazy):
             tensor.copy_into(
                 dst, lambda out, source, piece: self._copy_piece(out, source, piece, name)
             )

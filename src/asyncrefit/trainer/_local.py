@@ -27,12 +27,14 @@ from .._protocols import SourceInfo
 from ..transport._base import Exporter, Handle, OrderingExporter
 from ._checkpoint import CheckpointLayout, is_transformers_model
 from ._direct import DirectWriter
-from ._slices import Slices, copy_plain, rows_of
+from ._quantized import quantize_tensors
+from ._slices import Lazy, copy_plain, rows_of
 
 if TYPE_CHECKING:
     import torch
 
     from .._core._plan import Bucket, Plan, TensorEntry
+    from ..quantization import Fp8Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,30 @@ def _named_parameters(
     return out
 
 
+def _linear_weights(parameters: TensorsLike, names: Callable[[str], str | None]) -> set[str] | None:
+    """The engine names of the weights of ``parameters``' ``torch.nn.Linear`` modules
+    (``None`` if it is no module)."""
+    import torch
+
+    if not isinstance(parameters, torch.nn.Module):
+        return None
+    found = set()
+    for module_name, module in parameters.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            engine = names(f"{module_name}.weight" if module_name else "weight")
+            if engine is not None:
+                found.add(engine)
+    return found
+
+
+def _trainer_sources(tensor: Lazy) -> list[object]:
+    """The trainer tensors a lazy engine tensor reads (through lazy ones it wraps)."""
+    found: list[object] = []
+    for source in tensor.sources:
+        found.extend(_trainer_sources(source) if isinstance(source, Lazy) else [source])
+    return found
+
+
 class _Reading:
     """The engine's tensors of a trainer, read at every push without redoing what did
     not change.
@@ -81,11 +107,12 @@ class _Reading:
     ``read()`` walks the trainer's tensors (``trainer``) and, if every name, object,
     shape and dtype is as the last walk found them, answers the engine's tensors it
     made then; otherwise it makes them anew (``make``: the checkpoint layout and the
-    name map). It keeps them only when each engine tensor is one of the trainer's own
-    tensors or :class:`~asyncrefit.trainer._slices.Slices` of them (both read the
-    trainer's memory when written, wherever it is then), never a view, which would
-    keep viewing memory a parameter no longer has. ``made`` counts the times they were
-    made anew: two reads with the same count answered the same tensors.
+    name map, the quantization). It keeps them only when each engine tensor is one of
+    the trainer's own tensors or a :class:`~asyncrefit.trainer._slices.Lazy` one
+    reading only those (both read the trainer's memory when written, wherever it is
+    then), never a view, which would keep viewing memory a parameter no longer has.
+    ``made`` counts the times they were made anew: two reads with the same count
+    answered the same tensors.
     """
 
     __slots__ = ("_engine", "_make", "_names", "_shapes", "_trainer", "_values", "made")
@@ -118,7 +145,10 @@ class _Reading:
         engine = self._make()
         values = tuple(raw.values())
         own = {id(t) for t in values}
-        keep = all(id(t) in own or isinstance(t, Slices) for t in engine.values())
+        keep = all(
+            id(t) in own or (isinstance(t, Lazy) and all(id(s) in own for s in _trainer_sources(t)))
+            for t in engine.values()
+        )
         self._engine = engine if keep else None
         self._names = tuple(raw)
         self._values = values
@@ -263,10 +293,14 @@ class _InProcessSource(_SourceBase):
         name: str,
         names: NamesLike | None = None,
         checkpoint_names: bool = True,
+        quantization: Fp8Blocks | None = None,
     ) -> None:
         super().__init__(devices=devices, node=node, name=name)
         trainer_named = _reader(parameters)
         names_map = as_name_map(names)
+        quantized = None
+        if quantization is not None:
+            quantized = quantization.chooser(_linear_weights(parameters, names_map))
         layout = (
             CheckpointLayout(parameters, source=name)
             if checkpoint_names and is_transformers_model(parameters)
@@ -277,7 +311,10 @@ class _InProcessSource(_SourceBase):
             tensors = trainer_named()
             if layout is not None:
                 tensors = layout(tensors)
-            return engine_named(tensors, names_map, source=name)
+            engine = engine_named(tensors, names_map, source=name)
+            if quantization is not None and quantized is not None:
+                engine = quantize_tensors(engine, quantized, quantization.block, source=name)
+            return engine
 
         self._reading = _Reading(trainer_named, engine_tensors)
         self._tensors = self._reading.read
@@ -330,7 +367,8 @@ class _InProcessSource(_SourceBase):
         self, tensors: Mapping[str, torch.Tensor], bucket: int, entry: TensorEntry
     ) -> torch.Tensor:
         """The tensor of ``entry``'s parameter (whole), still of the shape and dtype it
-        was described with: a tensor, or :class:`Slices` of the trainer's tensors.
+        was described with: a tensor, or a :class:`~asyncrefit.trainer._slices.Lazy`
+        one made of the trainer's tensors.
 
         The entry's dtype is the engine's; the tensor's may differ (the pack casts).
         """
@@ -528,6 +566,11 @@ class LocalTrainer(_InProcessSource, _SlotSource, DirectWriter):
     A parameter larger than a bucket is packed in parts (rows) when every worker
     takes it so.
 
+    ``quantization=Fp8Blocks(...)`` (:mod:`asyncrefit.quantization`) pushes the linear
+    layers' weights as FP8 with block scales (``X.weight_scale_inv``), quantized as
+    they are packed, for an engine started from an FP8 checkpoint; each such weight is
+    packed whole.
+
     It is also a :class:`~asyncrefit.abc.WritingSource`: a worker that exports its
     parameters (:class:`~asyncrefit.abc.DirectWorker`, e.g. local workers started with
     ``shared_parameters=True``) on this node is written directly, each tensor copied
@@ -556,6 +599,7 @@ class LocalTrainer(_InProcessSource, _SlotSource, DirectWriter):
         name: str = "trainer",
         names: NamesLike | None = None,
         checkpoint_names: bool = True,
+        quantization: Fp8Blocks | None = None,
     ) -> None:
         super().__init__(
             parameters,
@@ -564,6 +608,7 @@ class LocalTrainer(_InProcessSource, _SlotSource, DirectWriter):
             name=name,
             names=names,
             checkpoint_names=checkpoint_names,
+            quantization=quantization,
         )
         self._init_slots(exporter)
         self._init_direct()
@@ -576,7 +621,7 @@ class LocalTrainer(_InProcessSource, _SlotSource, DirectWriter):
 
         tensors = self._read()
         flat, shaped = self._entry_views(bucket, buffer)
-        sources: list[torch.Tensor | Slices] = []
+        sources: list[torch.Tensor | Lazy] = []
         for e in bucket.entries:
             with self._packing(bucket.index, e):
                 sources.append(rows_of(self._tensor(tensors, bucket.index, e), e.part))
@@ -602,9 +647,9 @@ class LocalTrainer(_InProcessSource, _SlotSource, DirectWriter):
         super()._close_slots()
         self._close_direct()
 
-    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Slices, name: str) -> None:
+    def _copy_into(self, dst: torch.Tensor, tensor: torch.Tensor | Lazy, name: str) -> None:
         """Write ``tensor``'s value into its place ``dst`` (cast to ``dst``'s dtype)."""
-        if isinstance(tensor, Slices):
+        if isinstance(tensor, Lazy):
             tensor.copy_into(dst, copy_plain)
         else:
             dst.copy_(tensor)

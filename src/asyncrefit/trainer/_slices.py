@@ -127,7 +127,31 @@ def is_plain(tensor: object) -> bool:
 CopyPiece = Callable[["torch.Tensor", Any, Piece], None]
 
 
-class Slices:
+class Lazy:
+    """An engine tensor computed from the trainer's tensors (``sources``) when it is
+    written, not held: it has a ``shape`` and a ``dtype`` like a tensor,
+    :meth:`rows` (rows of it, as another one) and :meth:`copy_into` (its value into a
+    tensor of its shape). :class:`Slices` and the FP8 tensors of
+    :mod:`asyncrefit.trainer._quantized` are; the sources read the trainer's memory
+    wherever it is when written.
+    """
+
+    __slots__ = ()
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: tuple[Any, ...]
+
+    def rows(self, start: int, stop: int) -> Lazy:
+        """Rows ``start:stop`` (dimension 0) of this tensor."""
+        raise NotImplementedError
+
+    def copy_into(self, out: torch.Tensor, copy: CopyPiece) -> None:
+        """Write this tensor's value into ``out`` (of its shape); ``copy`` copies a
+        piece of a source (plain tensors, or a ``DTensor``'s gathered rows)."""
+        raise NotImplementedError
+
+
+class Slices(Lazy):
     """One engine tensor made of pieces of the trainer's tensors, bound at a push.
 
     ``pieces`` lie side by side along dimension ``dim``; ``sources`` are the trainer's
@@ -188,13 +212,13 @@ def copy_plain(out: torch.Tensor, source: Any, piece: Piece) -> None:
     out.copy_(view_of(source, piece))
 
 
-def rows_of(tensor: torch.Tensor | Slices, part: tuple[int, int] | None) -> torch.Tensor | Slices:
+def rows_of(tensor: torch.Tensor | Lazy, part: tuple[int, int] | None) -> torch.Tensor | Lazy:
     """Rows ``part`` (dimension 0) of an engine tensor: a view of a plain tensor,
-    :class:`Slices` otherwise; the tensor itself when ``part`` is ``None``."""
+    :class:`Lazy` otherwise; the tensor itself when ``part`` is ``None``."""
     if part is None:
         return tensor
     start, stop = part
-    if isinstance(tensor, Slices):
+    if isinstance(tensor, Lazy):
         return tensor.rows(start, stop)
     if is_plain(tensor):
         return tensor[start:stop]

@@ -1,0 +1,177 @@
+"""FP8 on the trainer's side: the quantizer against vLLM's, and the trainer's FP8 tensors.
+
+The block quantizer must give vLLM's bytes exactly (an engine loading the pushed
+weights then holds what loading an FP8 checkpoint of them gives): compared with vLLM's
+own ``per_block_cast_to_fp8`` (its Python body, as vLLM's CPU build and the tests
+without a compiler run it) on shapes that are and are not whole blocks, in bf16 and
+fp32, and on values that reach the fp8 range's end.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrefit import LocalTrainer, ParameterMismatchError
+from asyncrefit.quantization import Fp8Blocks, fp8_block_quantize, fp8_block_scales
+from asyncrefit.trainer._quantized import Fp8Scales, Fp8Weight
+
+from .models import make_mlp
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPES = [(128, 128), (300, 200), (256, 512), (1024, 4096), (1, 7)]
+
+
+def _vllm_quantizer() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("vllm")
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    # The function under torch.compile; its own Python body is vLLM's arithmetic.
+    return getattr(per_block_cast_to_fp8, "_torchdynamo_orig_callable", per_block_cast_to_fp8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
+def test_block_quantization_is_vllms_bitwise(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    theirs = _vllm_quantizer()
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    weight = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
+    weight[0, 0] = 3.0  # one block's amax far above the rest
+    if shape[0] > 1:
+        weight[-1, :] = 0.0  # a row of zeros (a block that may be all zero: the 1e-4 floor)
+    q, s = fp8_block_quantize(weight, (128, 128))
+    want_q, want_s = theirs(weight, [128, 128], use_ue8m0=False)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert q.shape == weight.shape and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+    assert torch.equal(fp8_block_scales(weight), s)
+
+
+def test_division_would_not_be_bitwise() -> None:
+    """Why the reciprocal: dividing by the scale rounds differently on bf16 weights."""
+    weight = (torch.randn(1024, 4096, generator=torch.Generator().manual_seed(1)) * 0.02).to(
+        torch.bfloat16
+    )
+    q, s = fp8_block_quantize(weight)
+    view = weight.float().view(8, 128, 32, 128)
+    divided = (view / s.view(8, 1, 32, 1)).to(torch.float8_e4m3fn).view(1024, 4096)
+    assert not torch.equal(q.view(torch.uint8), divided.view(torch.uint8))
+
+
+def test_the_trainer_pushes_linear_weights_as_fp8_and_their_scales() -> None:
+    model = make_mlp()  # Linear(64, 256), ReLU, Linear(256, 64)
+    source = LocalTrainer(model, quantization=Fp8Blocks(block=(128, 128), ignore=("2",)))
+    specs = {s.name: (s.shape, s.dtype) for s in source.specs()}
+    assert specs == {
+        "0.weight": ((256, 64), "float8_e4m3fn"),
+        "0.weight_scale_inv": ((2, 1), "float32"),
+        "0.bias": ((256,), "float32"),
+        "2.weight": ((64, 256), "float32"),  # ignored
+        "2.bias": ((64,), "float32"),
+    }
+    tensors = source._read()
+    weight, scales = tensors["0.weight"], tensors["0.weight_scale_inv"]
+    assert isinstance(weight, Fp8Weight) and isinstance(scales, Fp8Scales)
+    q, s = fp8_block_quantize(model.get_parameter("0.weight").detach())
+    got_q = torch.empty(256, 64, dtype=torch.float8_e4m3fn)
+    got_s = torch.empty(2, 1)
+    weight.copy_into(got_q, lambda *a: None)
+    scales.copy_into(got_s, lambda *a: None)
+    assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got_s, s)
+    with pytest.raises(ValueError, match="packed whole"):
+        weight.rows(0, 128)
+
+
+def test_from_config_reads_an_fp8_checkpoint(tmp_path: Path) -> None:
+    config = {
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "ignored_layers": ["model.layers.0.mlp.down_proj"],
+        }
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    found = Fp8Blocks.from_config(tmp_path)
+    assert found.block == (128, 128)
+    assert found.ignored("model.layers.0.mlp.down_proj") and found.ignored("lm_head")
+    assert not found.ignored("model.layers.1.mlp.down_proj")
+    with pytest.raises(ValueError, match="per-tensor"):
+        Fp8Blocks.from_config({"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="not an FP8"):
+        Fp8Blocks.from_config({"quantization_config": {"quant_method": "awq"}})
+
+
+async def test_fp8_weights_and_their_scales_reach_a_worker_that_holds_them() -> None:
+    """A worker holding FP8 weights and their block scales (as an engine of an FP8
+    checkpoint does) gets the trainer's weights quantized, bitwise; one that holds them
+    unquantized is refused before any byte moves, naming the scales."""
+    from asyncrefit import RefitCoordinator, cpu_device
+
+    from .fakes import FakeWorker
+
+    model = make_mlp()
+    quantization = Fp8Blocks(ignore=("2",))
+    held = {
+        "0.weight": torch.zeros(256, 64, dtype=torch.float8_e4m3fn),
+        "0.weight_scale_inv": torch.zeros(2, 1),
+        "0.bias": torch.zeros(256),
+        "2.weight": torch.zeros(64, 256),
+        "2.bias": torch.zeros(64),
+    }
+    worker = FakeWorker("engine", cpu_device(0), held)
+    async with RefitCoordinator(
+        trainer=LocalTrainer(model, quantization=quantization),
+        workers=[worker],
+        budget_bytes=1 << 20,
+    ) as refit:
+        for version in (1, 2):
+            with torch.no_grad():
+                model.get_parameter("0.weight").mul_(1.5)
+            await refit.push(version)
+            q, s = fp8_block_quantize(model.get_parameter("0.weight").detach())
+            assert torch.equal(held["0.weight"].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(held["0.weight_scale_inv"], s)
+            assert torch.equal(held["2.weight"], model.get_parameter("2.weight").detach())
+
+    plain = FakeWorker.like("plain", cpu_device(0), make_mlp())
+    before = {n: t.clone() for n, t in plain.parameters.items()}
+    with pytest.raises(ParameterMismatchError, match="weight_scale_inv"):
+        async with RefitCoordinator(
+            trainer=LocalTrainer(model, quantization=quantization),
+            workers=[plain],
+            budget_bytes=1 << 20,
+        ) as refit:
+            await refit.push(1)
+    assert all(torch.equal(t, before[n]) for n, t in plain.parameters.items())
+
+
+async def test_an_unquantized_push_into_fp8_weights_with_scales_is_refused() -> None:
+    """A cast of bf16 or fp32 into FP8 would ignore the engine's scales (vLLM itself
+    loads such a push with wrong weights and no error): refused, nothing moves."""
+    from asyncrefit import RefitCoordinator, cpu_device
+
+    from .fakes import FakeWorker
+
+    held = {
+        "0.weight": torch.zeros(256, 64, dtype=torch.float8_e4m3fn),
+        "0.weight_scale_inv": torch.ones(2, 1),
+        "0.bias": torch.zeros(256),
+        "2.weight": torch.zeros(64, 256),
+        "2.bias": torch.zeros(64),
+    }
+    worker = FakeWorker("engine", cpu_device(0), held)
+    with pytest.raises(ParameterMismatchError, match="a cast would leave the scales out"):
+        async with RefitCoordinator(
+            trainer=LocalTrainer(make_mlp()), workers=[worker], budget_bytes=1 << 20
+        ) as refit:
+            await refit.push(1)
+    assert not held["0.weight"].view(torch.uint8).any() and not held["0.bias"].any()
