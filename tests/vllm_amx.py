@@ -37,6 +37,19 @@ request_amx()
 class AmxRefitWorkerExtension(RefitWorkerExtension):
     """asyncrefit's worker extension, loaded from a module that asked for AMX."""
 
+    def test_parameter_digests(self) -> dict[str, str]:
+        """A digest of every parameter's bytes (the engine's own, as processed), by name."""
+        import hashlib
+
+        import torch
+
+        model = self._asyncrefit_engine().model
+        found = {}
+        for name, param in model.named_parameters():
+            raw = param.detach().contiguous().view(-1).view(torch.uint8)
+            found[name] = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+        return found
+
 
 #: ``worker_extension_cls`` for a bfloat16 CPU engine.
 EXTENSION = f"{__name__}.{AmxRefitWorkerExtension.__name__}"

@@ -41,6 +41,26 @@ from ._direct import DirectExport, export, synchronize
 logger = logging.getLogger(__name__)
 
 
+#: safetensors' dtype names, as torch names them.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+#: Dtypes a checkpoint tensor is sent in the serving dtype from (the engine casts them).
+_SERVED_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
 def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
     """The parameters the engine's model accepts: its checkpoint's names and shapes.
 
@@ -48,8 +68,12 @@ def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
     shards them across ranks, so the model's own parameters are not what a trainer
     sends. What the model's ``load_weights`` accepts is what it was loaded from: the
     tensors of its safetensors checkpoint, found the way vLLM's default loader found
-    them. The dtype is the one the engine serves in (``model_config.dtype``): send
-    tensors in that dtype. Raises :class:`AsyncRefitError` for other checkpoint formats.
+    them. The dtype is the one the engine serves in (``model_config.dtype``), except
+    where the checkpoint holds a tensor in another kind of dtype (the ``float8_e4m3fn``
+    weights of an FP8 checkpoint, integer-packed weights) or a quantized model holds it
+    in ``float32`` (its scales): those are sent as the checkpoint has them, as a cast
+    would change what they mean. Raises :class:`AsyncRefitError` for other checkpoint
+    formats.
     """
     from safetensors import safe_open
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -63,13 +87,19 @@ def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
             f"the checkpoint of {model_config.model!r} is not in safetensors format: "
             "asyncrefit reads the parameter names a vLLM model accepts from it"
         )
-    dtype = dtype_name(model_config.dtype)
+    serving = dtype_name(model_config.dtype)
+    quantized = getattr(model_config, "quantization", None) is not None
     specs: dict[str, ParamSpec] = {}
     for path in sorted(files):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                shape = tuple(int(d) for d in f.get_slice(name).get_shape())
-                specs[name] = ParamSpec(name=name, shape=shape, dtype=dtype)
+                piece = f.get_slice(name)
+                shape = tuple(int(d) for d in piece.get_shape())
+                own = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                keep = own is not None and (
+                    own not in _SERVED_FLOATS or (quantized and own == "float32")
+                )
+                specs[name] = ParamSpec(name=name, shape=shape, dtype=own if keep else serving)
     return tuple(specs[n] for n in sorted(specs))
 
 
