@@ -84,7 +84,7 @@ def save_fp8_checkpoint(model: torch.nn.Module, path: Path) -> Path:
         else:
             tensors[name] = tensor.detach().to(torch.bfloat16).contiguous()
     path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)  # type: ignore[operator]
+    model.config.save_pretrained(path)  # type: ignore[union-attr, operator]
     config = json.loads((path / "config.json").read_text())
     config |= {"quantization_config": FP8_CONFIG, "torch_dtype": "bfloat16"}
     (path / "config.json").write_text(json.dumps(config))

@@ -96,10 +96,12 @@ def checkpoint_specs(vllm_config: Any) -> tuple[ParamSpec, ...]:
                 piece = f.get_slice(name)
                 shape = tuple(int(d) for d in piece.get_shape())
                 own = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-                keep = own is not None and (
+                dtype = serving
+                if own is not None and (
                     own not in _SERVED_FLOATS or (quantized and own == "float32")
-                )
-                specs[name] = ParamSpec(name=name, shape=shape, dtype=own if keep else serving)
+                ):
+                    dtype = own
+                specs[name] = ParamSpec(name=name, shape=shape, dtype=dtype)
     return tuple(specs[n] for n in sorted(specs))
 
 
