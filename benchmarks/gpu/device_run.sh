@@ -7,12 +7,13 @@
 #   bash benchmarks/gpu/device_run.sh moe       # carry moe.so.xz
 #   bash benchmarks/gpu/device_run.sh bench     # no carry: the benchmark alone, after install
 #   bash benchmarks/gpu/device_run.sh local     # no carry: local GPU workers' tests and bench
+#   bash benchmarks/gpu/device_run.sh fp8       # no carry: the FP8 push against bf16 (7B set)
 #
 # TESTS (default "not moe") selects the GPU tests the install step runs (pytest -k).
 #
 # Logs and results go to $OUT (the device tool's folder that comes back).
 set -uo pipefail
-step=${1:?usage: device_run.sh part|install|moe|bench|local}
+step=${1:?usage: device_run.sh part|install|moe|bench|local|fp8}
 out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/bundle
 # spawn: the tests and the benchmark initialise CUDA before vLLM starts its processes.
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -27,12 +28,15 @@ install)
 moe)
   cp .gpu-bundle/moe.so.xz /tmp/bundle/
   bash /tmp/bundle/install.sh /tmp/site --moe || exit 1 ;;
-bench|local)
+bench|local|fp8)
   [ -d /tmp/site ] || { echo "install first (the machine went cold)"; exit 1; } ;;
 esac
 export PYTHONPATH=$PWD/src:/tmp/site:/tmp/site-stubs
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$out/gpu.txt"
-if [ "$step" = local ]; then
+if [ "$step" = fp8 ]; then
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/fp8_bench.py --device cuda --repeats 5 \
+    --out "$out/fp8_bench.json" 2>&1 | tee "$out/fp8_bench.log" | tail -12
+elif [ "$step" = local ]; then
   timeout 200 python3 -m pytest -m gpu -p no:cacheprovider --timeout 150 -v \
     tests/test_direct.py 2>&1 | tee "$out/gpu_direct_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
   timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/direct_write_bench.py --device cuda \
