@@ -12,26 +12,10 @@ the AMX kernel there).
 
 from __future__ import annotations
 
-import ctypes
-import platform
-import sys
-
+from asyncrefit.vllm._amx import request_amx
 from asyncrefit.vllm.worker import RefitWorkerExtension
 
-_SYS_ARCH_PRCTL = 158  # x86_64
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
-
-
-def request_amx() -> bool:
-    """Ask the kernel to let this process use AMX tiles; whether it agreed."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
-
-
-request_amx()
+request_amx()  # asyncrefit's worker module asks too; this module predates it
 
 
 class AmxRefitWorkerExtension(RefitWorkerExtension):

@@ -51,9 +51,13 @@ from .._wire._errors import error_reply
 from .._wire._messages import Aborted, AbortUpdate, BeginUpdate, CommitUpdate, Done
 from .._worker._endpoint import Endpoint
 from ..transport.destinations import Destinations
+from ._amx import request_amx
 from ._compat import not_a_trainer_side
 from ._sink import Faults, ReloadSink, checkpoint_specs
 from ._wire import BACKEND, BlockingChannel, ControlHello, RankHello
+
+if not torch.cuda.is_available():
+    request_amx()  # vLLM's CPU kernels may use AMX (see asyncrefit.vllm._amx)
 
 logger = logging.getLogger(__name__)
 
