@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrefit.transport.shm import list_segments
 
@@ -57,3 +58,15 @@ def test_moe_example_pushes_a_transformers_moe_model_into_vllm() -> None:
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3, done.stdout[-4000:]
     assert all(line.endswith("engine tokens == trainer tokens: True") for line in steps)
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(),
+    reason="vLLM's CPU FP8 kernels need AMX (this CPU has none)",
+)
+def test_fp8_example_pushes_quantized_weights_that_equal_an_fp8_checkpoint() -> None:
+    done = run_example("vllm_fp8.py")
+    assert done.returncode == 0, done.stdout[-4000:]
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3, done.stdout[-4000:]
+    assert "checkpoint: True" in done.stdout
