@@ -29,6 +29,25 @@ def make_mixed() -> torch.nn.Module:
     return m
 
 
+def make_mlp_fp8() -> torch.nn.Module:
+    """:func:`make_mlp` as an engine of its FP8 checkpoint holds it: the first layer's
+    weight in ``float8_e4m3fn`` with its 128 x 128 block scales (``weight_scale_inv``),
+    the rest in float32 (zeros: the trainer's pushes fill them)."""
+    m = torch.nn.Module()
+    first = torch.nn.Module()
+    first.weight = torch.nn.Parameter(
+        torch.zeros(256, 64, dtype=torch.float8_e4m3fn), requires_grad=False
+    )
+    first.weight_scale_inv = torch.nn.Parameter(torch.zeros(2, 1), requires_grad=False)
+    first.bias = torch.nn.Parameter(torch.zeros(256))
+    second = torch.nn.Module()
+    second.weight = torch.nn.Parameter(torch.zeros(64, 256))
+    second.bias = torch.nn.Parameter(torch.zeros(64))
+    m.add_module("0", first)
+    m.add_module("2", second)
+    return m
+
+
 def make_mlp_bf16() -> torch.nn.Module:
     """:func:`make_mlp` held in bfloat16: an engine fed from fp32 master weights."""
     return make_mlp().to(torch.bfloat16)

@@ -175,3 +175,34 @@ async def test_an_unquantized_push_into_fp8_weights_with_scales_is_refused() -> 
         ) as refit:
             await refit.push(1)
     assert not held["0.weight"].view(torch.uint8).any() and not held["0.bias"].any()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["direct", "staged"])
+async def test_fp8_push_into_worker_processes_written_directly_or_staged(shared: bool) -> None:
+    """Local worker processes holding FP8 weights and scales get the quantized bytes,
+    written directly into their exported memory or staged through slots."""
+    from asyncrefit import RefitCoordinator
+    from asyncrefit._worker._receiver import tensor_digest
+    from asyncrefit.local import spawn_local_workers
+
+    from .models import make_mlp_fp8
+
+    model = make_mlp()
+    async with (
+        spawn_local_workers(make_mlp_fp8, 2, shared_parameters=shared) as workers,
+        RefitCoordinator(
+            trainer=LocalTrainer(model, quantization=Fp8Blocks(ignore=("2",))),
+            workers=workers,
+            budget_bytes=1 << 20,
+        ) as refit,
+    ):
+        for version in (1, 2):
+            with torch.no_grad():
+                model.get_parameter("0.weight").mul_(-2.0)
+            report = await refit.push(version)
+            assert ("direct" in report.bytes_per_transport) == shared
+            q, s = fp8_block_quantize(model.get_parameter("0.weight").detach())
+            want = {n: tensor_digest(p.detach()) for n, p in model.named_parameters()}
+            want |= {"0.weight": tensor_digest(q), "0.weight_scale_inv": tensor_digest(s)}
+            for worker in workers:
+                assert await worker.parameter_digests() == want
