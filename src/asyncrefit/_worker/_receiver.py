@@ -271,6 +271,12 @@ class ParameterReceiver(Endpoint[Done]):
             # trainer writes them.
             torch.cuda.synchronize(self.parameter_sink.parameters_device())
 
+    @property
+    def commit_waits(self) -> bool:
+        """Whether a direct commit may block on the trainer's GPU writes (run it off an
+        event loop: it waits for them, at most ``WRITES_TIMEOUT``)."""
+        return self._shared is not None and bool(self._shared.destinations.event)
+
     def commit(self, version: int, buckets: int) -> None:
         """Commit ``version``; a direct one once the trainer's writes ran (on a GPU, the
         completion event it recorded after them: see

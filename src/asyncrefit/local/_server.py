@@ -22,6 +22,7 @@ from .._loop import backend_options
 from .._wire._channel import connect_unix
 from .._wire._errors import error_reply
 from .._wire._messages import (
+    CommitUpdate,
     DeviceReply,
     Digest,
     DigestReply,
@@ -147,6 +148,9 @@ class WorkerServer:
                 case Shutdown():
                     r.close()
                     return Done()
+                case CommitUpdate() if r.commit_waits:
+                    # It waits for the trainer's GPU writes: off the loop.
+                    return await anyio.to_thread.run_sync(r.handle, request, limiter=self._limiter)
         except Exception as exc:
             logger.debug("request %r failed", request, exc_info=True)
             return error_reply(exc)

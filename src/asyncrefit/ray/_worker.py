@@ -253,9 +253,13 @@ class RefitWorkerMixin:
             )
 
     async def refit_commit(self, version: int, buckets: int) -> None:
-        lock, _ = self._refit_sync()
+        lock, limiter = self._refit_sync()
+        receiver = self.refit_receiver
         async with lock:
-            self.refit_receiver.commit(version, buckets)
+            if receiver.commit_waits:  # it waits for the trainer's GPU writes: off the loop
+                await anyio.to_thread.run_sync(receiver.commit, version, buckets, limiter=limiter)
+            else:
+                receiver.commit(version, buckets)
 
     async def refit_abort(self, version: int) -> None:
         """Give ``version`` up; answered after any copy still running has finished."""
