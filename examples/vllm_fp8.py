@@ -4,8 +4,9 @@ The engine serves an FP8 checkpoint with block-wise 128 x 128 scales, as DeepSee
 and Qwen3-FP8 ship (``quantization_config = {"quant_method": "fp8",
 "weight_block_size": [128, 128]}``: each linear layer's ``weight`` in
 ``float8_e4m3fn`` and its ``weight_scale_inv``). Here a tiny Llama is made with
-``transformers`` and its FP8 checkpoint written with asyncrefit's quantizer (nothing
-is downloaded). The trainer keeps fp32 master weights; ``LocalTrainer(model,
+``transformers`` and its FP8 checkpoint written with
+``asyncrefit.quantization.save_fp8_checkpoint`` (nothing is downloaded). The trainer
+keeps fp32 master weights; ``LocalTrainer(model,
 quantization=Fp8Blocks.from_config(checkpoint))`` quantizes each linear weight as it
 is packed, bitwise as vLLM's own quantizer does, so a push carries half the bytes of
 bf16 and the engine ends with what loading an FP8 checkpoint of the trainer's weights
@@ -20,7 +21,6 @@ its FP8 kernels need a CPU with AMX) or on a GPU:
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 import warnings
@@ -28,40 +28,16 @@ from pathlib import Path
 
 import anyio
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from asyncrefit import LocalTrainer, RefitCoordinator
-from asyncrefit.quantization import Fp8Blocks, fp8_block_quantize
+from asyncrefit.quantization import Fp8Blocks, save_fp8_checkpoint
 from asyncrefit.vllm import connect_llm, engine_args
 
 STEPS = 3
 TOKENS = 8
 SYSTEM = [(37 * i + 11) % 500 + 1 for i in range(300)]  # a long shared prefix
 PROMPTS = [[*SYSTEM, 1, 2, 3], [*SYSTEM, 40, 41], [*SYSTEM, 7, 8, 9, 10]]
-FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-
-def save_fp8(model: torch.nn.Module, path: Path) -> Path:
-    """``model`` as an FP8 checkpoint: linear layers (not the head) in FP8 with scales."""
-    linear = {
-        f"{name}.weight"
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name != "lm_head"
-    }
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name in linear:
-            tensors[name], tensors[f"{name}_scale_inv"] = fp8_block_quantize(tensor)
-        else:
-            tensors[name] = tensor.to(torch.bfloat16).contiguous()
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)  # type: ignore[union-attr, operator]
-    config = json.loads((path / "config.json").read_text())
-    config |= {"quantization_config": FP8, "torch_dtype": "bfloat16"}
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
 
 
 def start(path: Path) -> object:
@@ -103,7 +79,7 @@ async def main(directory: Path) -> None:
     )
     LlamaForCausalLM(config).save_pretrained(directory / "base")
     model = AutoModelForCausalLM.from_pretrained(directory / "base", dtype=torch.float32)
-    checkpoint = save_fp8(model, directory / "fp8")
+    checkpoint = save_fp8_checkpoint(model, directory / "fp8")
     llm = start(checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
     served: list[list[list[int]]] = []
@@ -133,7 +109,7 @@ async def main(directory: Path) -> None:
                     f"(bf16 would be {sum(p.numel() * 2 for p in model.parameters()) / 2**10:.0f}"
                     f" KiB) in {report.buckets} buckets, {seconds * 1e3:.0f} ms"
                 )
-            final = save_fp8(model, directory / "final")
+            final = save_fp8_checkpoint(model, directory / "final")
     finally:
         llm.llm_engine.engine_core.shutdown()  # type: ignore[attr-defined]
     reference = start(final)

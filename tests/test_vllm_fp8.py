@@ -15,7 +15,6 @@ extension, which asks the kernel for AMX first.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 from asyncrefit import LocalTrainer, ParameterMismatchError, RefitCoordinator
-from asyncrefit.quantization import Fp8Blocks, fp8_block_quantize
+from asyncrefit.quantization import Fp8Blocks, save_fp8_checkpoint
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -65,31 +64,6 @@ FP8_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
 }
-
-
-def save_fp8_checkpoint(model: torch.nn.Module, path: Path) -> Path:
-    """``model``'s weights as an FP8 checkpoint: every linear layer but the head in
-    ``float8_e4m3fn`` with its ``weight_scale_inv``, the rest in bfloat16."""
-    from safetensors.torch import save_file
-
-    linear = {
-        f"{name}.weight"
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name != "lm_head"
-    }
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name in linear:
-            tensors[name], tensors[f"{name}_scale_inv"] = fp8_block_quantize(tensor.detach())
-        else:
-            tensors[name] = tensor.detach().to(torch.bfloat16).contiguous()
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)  # type: ignore[union-attr, operator]
-    config = json.loads((path / "config.json").read_text())
-    config |= {"quantization_config": FP8_CONFIG, "torch_dtype": "bfloat16"}
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
 
 
 @contextmanager

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_MAX", "Fp8Blocks", "fp8_block_quantize", "fp8_block_scales"]
+__all__ = ["FP8_MAX", "Fp8Blocks", "fp8_block_quantize", "fp8_block_scales", "save_fp8_checkpoint"]
 
 #: The largest finite ``float8_e4m3fn`` value: a block's largest magnitude maps to it.
 FP8_MAX = 448.0
@@ -177,3 +177,49 @@ class Fp8Blocks:
             )
 
         return quantized
+
+
+def save_fp8_checkpoint(
+    model: torch.nn.Module, path: str | Path, quantization: Fp8Blocks | None = None
+) -> Path:
+    """Write a ``transformers`` ``model`` into directory ``path`` as an FP8 checkpoint
+    that vLLM serves: the weights ``quantization`` (default :class:`Fp8Blocks`) picks,
+    in ``float8_e4m3fn`` with their ``weight_scale_inv``, every other tensor in
+    bfloat16, and ``config.json`` with the matching ``quantization_config`` (and
+    ``torch_dtype`` bfloat16). The same weights a push with
+    ``LocalTrainer(model, quantization=...)`` quantizes, in the same bytes: start an
+    engine from it, then push. Needs ``safetensors``. Returns ``path``.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    quantization = quantization if quantization is not None else Fp8Blocks()
+    linear = {
+        f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+    chosen = quantization.chooser(linear)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if chosen(name, tuple(tensor.shape)):
+            tensors[name], tensors[f"{name}_scale_inv"] = fp8_block_quantize(
+                tensor.detach(), quantization.block
+            )
+        else:
+            tensors[name] = tensor.detach().to(torch.bfloat16).contiguous()
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config: Any = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("save_fp8_checkpoint takes a transformers model (one with a config)")
+    config.save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())
+    written["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(quantization.block),
+        "ignored_layers": [p for p in quantization.ignore if p != "lm_head"],
+    }
+    written["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(written, indent=2))
+    save_file({n: t.cpu() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    return out
