@@ -30,10 +30,10 @@ class AmxRefitWorkerExtension(RefitWorkerExtension):
         model = self._asyncrefit_engine().model
         found = {}
         for name, param in model.named_parameters():
-            raw = param.detach().contiguous().view(-1).view(torch.uint8)
+            raw = param.detach().contiguous().view(-1).view(torch.uint8).cpu()
             found[name] = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
         return found
 
 
-#: ``worker_extension_cls`` for a bfloat16 CPU engine.
+#: ``worker_extension_cls`` for a bfloat16 CPU engine (on a GPU: the digests).
 EXTENSION = f"{__name__}.{AmxRefitWorkerExtension.__name__}"
