@@ -33,8 +33,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# peft: the LoRA tests train a peft adapter (asyncrefit itself does not import peft).
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev,ray,metrics,timeline]"
+	$(BIN)/python -m pip install -q -e ".[dev,ray,metrics,timeline]" "peft>=0.17"
 ifneq ($(strip $(VLLM)),)
 	$(BIN)/python -m pip install -q "$(VLLM)" "$(TORCH)"
 	# PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch; vLLM

@@ -63,7 +63,16 @@ from asyncrefit.transport._base import dtype_name
 from asyncrefit.vllm import VLLMWorker
 from asyncrefit.vllm._connect import _connected
 from asyncrefit.vllm._link import _EngineLink, _translate
-from asyncrefit.vllm._wire import BACKEND, EXTENSION, ControlHello, pack
+from asyncrefit.vllm._lora import LoRAAdapter
+from asyncrefit.vllm._wire import (
+    BACKEND,
+    EXTENSION,
+    ControlHello,
+    InstallAdapter,
+    RemoveAdapter,
+    ToAdapter,
+    pack,
+)
 from asyncrefit.vllm._wire import RankHello as Hello
 
 pytestmark = pytest.mark.timeout(30)
@@ -89,8 +98,11 @@ class FakeWorker:
         # error, once.
         self.controlled: list[str] = []
         self.fail: set[str] = set()
-        # Called when a direct version begins (the trainer may write from then on).
+        # Called when a direct version begins (the trainer may write from then on),
+        # and when an adapter is installed or taken out.
         self.direct_begun: Callable[[], None] = lambda: None
+        # Each LoRA adapter's (served version, pending version, built).
+        self.adapters: dict[str, tuple[int | None, int | None, bool]] = {}
 
     async def connect(self, path: str) -> None:
         self.stream = await anyio.connect_unix(path)
@@ -107,6 +119,8 @@ class FakeWorker:
             while True:
                 request_id, request = RefDecoder().decode(await reader.receive())
                 kind = type(request).__name__
+                if isinstance(request, ToAdapter):
+                    kind = f"{request.adapter}:{type(request.request).__name__}"
                 self.controlled.append(kind)
                 if isinstance(request, BeginUpdate) and request.direct:
                     self.direct_begun()
@@ -145,6 +159,8 @@ class FakeWorker:
         await self.stream.send(pack(request_id, self.reply(request)))
 
     def reply(self, request: object) -> object:
+        if isinstance(request, ToAdapter):
+            return self.adapter_reply(request.adapter, request.request)
         match request:
             case ReportDevice():
                 return DeviceReply(device=DeviceId(node=local_node_id(), device=f"cpu:{self.rank}"))
@@ -171,6 +187,34 @@ class FakeWorker:
             case GetDestinations():
                 return DestinationsReply(destinations=None)  # staged, as the CPU build
         raise AssertionError(f"unexpected request {request!r}")
+
+    def adapter_reply(self, name: str, request: object) -> object:
+        version, pending, built = self.adapters.get(name, (None, None, False))
+        reply: object = Done()
+        match request:
+            case BeginUpdate(version=v):
+                pending, built = v, False
+            case LoadBucket(bucket=b):
+                reply = BucketAck(bucket=b, nbytes=0, seconds=0.0)
+            case CommitUpdate(version=v):
+                assert pending == v
+                built = True
+            case InstallAdapter(version=v):
+                assert built and pending == v
+                version, pending, built = v, None, False
+                self.direct_begun()  # what the engine serves changed
+            case RemoveAdapter():
+                version = pending = None
+                self.direct_begun()
+            case AbortUpdate():
+                pending, built = None, False
+                reply = Aborted(version=version, written=False)
+            case GetVersion():
+                reply = VersionReply(version=version)
+            case _:
+                raise AssertionError(f"unexpected adapter request {request!r}")
+        self.adapters[name] = (version, pending, built)
+        return reply
 
 
 @dataclass
@@ -657,3 +701,116 @@ async def test_an_unanswered_direct_abort_is_bounded_and_generation_resumes() ->
         await anyio.sleep(1.0)  # the late answer comes, and is dropped
         await workers[0].abort_update(1)  # asked again, answered now
         assert engine.workers[0].controlled == ["BeginUpdate", "AbortUpdate", "AbortUpdate"]
+
+
+# --- LoRA adapters -------------------------------------------------------------------
+
+POLICY = LoRAAdapter(
+    name="policy",
+    id=1,
+    config={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]},
+    tensors={"base_model.model.m.q_proj.lora_A.weight": (2, 4)},
+)
+
+
+async def push_adapter(workers: list[Any], version: int) -> None:
+    await each(workers, lambda w: w.begin_update(version))
+    await each(workers, lambda w: w.load_bucket(version, 0, ()))
+    await each(workers, lambda w: w.commit_update(version, 1))
+
+
+async def test_an_adapter_push_goes_by_the_control_channels_and_keeps_the_label() -> None:
+    """An adapter's push makes no weight update and no trigger RPC: its steps go to the
+    ranks' control channels, the commit builds at every rank before any rank installs,
+    the cache is reset before generation resumes, and the engine's label (its
+    weights') stays."""
+    async with engine_link(world=2) as (engine, workers):
+        await engine.set_label("7")
+        adapters = [w.lora(POLICY) for w in workers]
+        for version in (1, 2):
+            await push_adapter(adapters, version)
+        assert after(engine.calls, "pause") == ["pause", "reset", "resume"]
+        assert engine.calls.count("pause") == 2 and engine.stale_resumes == 0
+        assert not [c for c in engine.calls if c in ("serve", "update", "start") or "finish" in c]
+        for w in engine.workers:
+            steps = ["BeginUpdate", "LoadBucket", "CommitUpdate", "InstallAdapter"]
+            assert w.controlled == [f"policy:{s}" for s in steps] * 2
+            assert w.adapters["policy"] == (2, None, False)
+        assert engine.label == "7" and not engine.paused
+        assert [await a.weight_version() for a in adapters] == [2, 2]
+        assert adapters[1].name == "vllm/rank-1/lora-policy"
+
+
+async def test_a_build_refused_at_one_rank_leaves_every_rank_serving_the_old_version() -> None:
+    async with engine_link(world=2) as (engine, workers):
+        adapters = [w.lora(POLICY) for w in workers]
+        await push_adapter(adapters, 1)
+        engine.workers[1].fail.add("policy:CommitUpdate")
+        await each(adapters, lambda w: w.begin_update(2))
+        with pytest.raises(ExceptionGroup) as info:
+            await each(adapters, lambda w: w.commit_update(2, 0))
+        assert all("rank-1" in str(e) or "rank 1" in str(e) for e in info.value.exceptions)
+        await adapters[0].abort_update(2)  # as the coordinator does
+        for w in engine.workers:
+            assert "policy:InstallAdapter" not in w.controlled[4:]
+            assert w.adapters["policy"][0] == 1
+        assert after(engine.calls, "pause") == ["pause", "resume"]  # nothing changed
+
+
+async def test_an_install_failed_at_one_rank_takes_the_adapter_out_at_every_rank() -> None:
+    """Every rank built the new version, one could not install it: rather than ranks
+    serving different versions, every rank takes the adapter out; the abort resets the
+    cache and resumes, and relabels nothing (the label is the weights')."""
+    async with engine_link(world=2) as (engine, workers):
+        await engine.set_label("7")
+        adapters = [w.lora(POLICY) for w in workers]
+        await push_adapter(adapters, 1)
+        engine.workers[1].fail.add("policy:InstallAdapter")
+        await each(adapters, lambda w: w.begin_update(2))
+        with pytest.raises(ExceptionGroup):
+            await each(adapters, lambda w: w.commit_update(2, 0))
+        await adapters[0].abort_update(2)
+        for w in engine.workers:
+            assert w.controlled[-2:] == ["policy:RemoveAdapter", "policy:AbortUpdate"]
+            assert w.adapters["policy"][0] is None
+        assert after(engine.calls, "pause") == ["pause", "reset", "resume"]
+        assert engine.stale_resumes == 0 and engine.label == "7"
+        await push_adapter(adapters, 3)  # the next push puts it back
+        assert [await a.weight_version() for a in adapters] == [3, 3]
+
+
+async def test_pushes_of_the_weights_and_of_an_adapter_run_one_at_a_time() -> None:
+    """A push of an adapter waits while a push of the weights holds the engine's session
+    (and an abort of the adapter meanwhile leaves that push alone); it begins once the
+    weights are committed."""
+    async with engine_link(world=2) as (engine, workers):
+        adapters = [w.lora(POLICY) for w in workers]
+        await begin_and_load(workers, 5)
+        begun = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def adapter_push() -> None:
+                await each(adapters, lambda w: w.begin_update(1))
+                begun.set()
+
+            tg.start_soon(adapter_push)
+            await anyio.sleep(0.2)
+            assert not begun.is_set()
+            await adapters[0].abort_update(1)  # not the adapter's session: nothing
+            assert engine.session and engine.paused
+            await each(workers, lambda w: w.commit_update(5, 1))
+            assert engine.label == "5"
+            with anyio.fail_after(5):
+                await begun.wait()
+        await each(adapters, lambda w: w.load_bucket(1, 0, ()))
+        await each(adapters, lambda w: w.commit_update(1, 1))
+        assert [await a.weight_version() for a in adapters] == [1, 1]
+        assert [c for c in after(engine.calls, "finish:5") if c != "serve"] == [
+            "finish:5",
+            "reset",
+            "resume",
+            "pause",
+            "reset",
+            "resume",
+        ]
+        assert engine.stale_resumes == 0

@@ -17,10 +17,12 @@ imports :mod:`asyncrefit.vllm.worker` into its worker processes.
 from .._exceptions import EngineConfigError as EngineConfigError
 from .._exceptions import EngineLoopError as EngineLoopError
 from ._channels import ChannelStatistics as ChannelStatistics
+from ._connect import VLLMAdapterWorker as VLLMAdapterWorker
 from ._connect import VLLMWorker as VLLMWorker
 from ._connect import connect_async_llm as connect_async_llm
 from ._connect import connect_llm as connect_llm
 from ._connect import engine_args as engine_args
+from ._lora import LoRAAdapter as LoRAAdapter
 from ._ops import PauseMode as PauseMode
 from ._wire import BACKEND as BACKEND
 from ._wire import EXTENSION as EXTENSION
@@ -31,7 +33,9 @@ __all__ = (
     "EXTENSION",
     "EngineConfigError",
     "EngineLoopError",
+    "LoRAAdapter",
     "PauseMode",
+    "VLLMAdapterWorker",
     "VLLMWorker",
     "connect_async_llm",
     "connect_llm",

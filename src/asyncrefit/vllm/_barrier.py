@@ -101,9 +101,11 @@ class RankBarrier(Generic[Q, A]):
             raise self._translate(gather.error, rank) from gather.error
         return gather.replies[rank]
 
-    def drop(self) -> None:
-        """Wake ranks still waiting for steps that will never run (a push ended)."""
-        gathers, self._gathers = self._gathers, {}
-        for gather in gathers.values():
+    def drop(self, which: Callable[[Hashable], bool] | None = None) -> None:
+        """Wake ranks still waiting for steps that will never run (a push ended): the
+        steps whose key ``which`` picks (default: every step)."""
+        keys = [k for k in self._gathers if which is None or which(k)]
+        gathers = [self._gathers.pop(k) for k in keys]
+        for gather in gathers:
             gather.error = AsyncRefitError(DROPPED)
             gather.done.set()

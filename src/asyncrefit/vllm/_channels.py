@@ -50,9 +50,9 @@ from .._exceptions import (
 )
 from .._wire._channel import HEADER, FrameChannel, UnixListener
 from .._wire._errors import WORKER, ExceptionMapping, map_exceptions
-from .._wire._messages import Hello, LoadBucket, Reply, Request, encode
+from .._wire._messages import Hello, LoadBucket, Reply, encode
 from .._wire._refs import RefEncoder
-from ._wire import unpack
+from ._wire import RankRequest, unpack
 
 _SEND_TIMEOUT = 30.0
 
@@ -211,7 +211,7 @@ class RankChannels:
         return lost
 
     async def _send(
-        self, rank: int, request_id: int, request: Request, control: bool = False
+        self, rank: int, request_id: int, request: RankRequest, control: bool = False
     ) -> None:
         # Encoded with no await before the send starts (a frame the table counted is
         # a frame on the wire; a channel that fails mid-frame is never used again).
@@ -265,7 +265,7 @@ class RankChannels:
 
     async def exchange(
         self,
-        requests: Mapping[int, Request],
+        requests: Mapping[int, RankRequest],
         trigger: Callable[[int], Coroutine[Any, Any, None]],
         carried: Callable[[int], object],
     ) -> dict[int, Reply]:
@@ -280,7 +280,7 @@ class RankChannels:
             request_id = self._next_id
             return await self._exchange(requests, request_id, False, trigger, carried)
 
-    async def control(self, requests: Mapping[int, Request]) -> dict[int, Reply]:
+    async def control(self, requests: Mapping[int, RankRequest]) -> dict[int, Reply]:
         """Write each rank's request on its control channel and gather the replies:
         no engine RPC (a thread of each worker serves its control channel).
 
@@ -294,7 +294,7 @@ class RankChannels:
 
     async def _exchange(
         self,
-        requests: Mapping[int, Request],
+        requests: Mapping[int, RankRequest],
         request_id: int,
         control: bool,
         trigger: Callable[[int], Coroutine[Any, Any, None]] | None = None,

@@ -40,8 +40,9 @@ from ..transport._base import Handle
 from ..transport.destinations import Destinations
 from ._channels import ChannelStatistics
 from ._link import CLEANUP_TIMEOUT, _EngineLink
+from ._lora import LoRAAdapter
 from ._ops import PauseMode, _AsyncLLMOps, _LLMOps
-from ._wire import BACKEND, EXTENSION
+from ._wire import BACKEND, EXTENSION, DeclareAdapter, ToAdapter
 
 R = TypeVar("R")
 
@@ -160,6 +161,92 @@ class VLLMWorker:
 
     async def release_handles(self) -> None:
         reply = await self._link.serve(self._rank, ReleaseHandles())
+        _reply_of(reply, self._name, Done)
+
+    def lora(self, adapter: LoRAAdapter) -> VLLMAdapterWorker:
+        """This rank as the worker of one LoRA adapter: a coordinator given these
+        pushes the adapter, not the engine's weights (see :class:`VLLMAdapterWorker`)."""
+        return VLLMAdapterWorker(self._link, self._rank, adapter)
+
+
+class VLLMAdapterWorker:
+    """One rank of a vLLM engine, as the worker of one LoRA adapter (made by
+    :meth:`VLLMWorker.lora`). Implements :class:`asyncrefit.abc.Worker`.
+
+    Its specs are the adapter's tensors, once the rank checked the adapter against the
+    engine (LoRA enabled, the config vLLM accepts, each ``lora_A`` / ``lora_B`` the
+    right shape for a linear layer the model's LoRA takes): a mismatch fails discovery,
+    before any byte moves. A push pauses generation as a push of the weights does; each
+    rank copies the buckets aside on the CPU; the commit builds the adapter at every
+    rank, then installs it at every rank (requests that start after the push use it;
+    ``LoRAAdapter.request()`` names it), resets the prefix cache (its blocks were
+    computed with the old adapter) and resumes generation. The engine's weight version
+    is not touched: :meth:`weight_version` is the adapter's own.
+
+    A failed or cancelled push leaves the old version serving; an install that failed
+    at a rank (after every rank built it) takes the adapter out at every rank, so the
+    engine serves none rather than a mix. Pushes of the engine's weights and of each
+    adapter share the engine's session: one runs at a time, the others wait for it.
+    Errors: as :class:`VLLMWorker`'s.
+    """
+
+    def __init__(self, link: _EngineLink, rank: int, adapter: LoRAAdapter) -> None:
+        self._link = link
+        self._rank = rank
+        self.adapter = adapter
+        self._name = f"{link.worker_name(rank)}/lora-{adapter.name}"
+
+    def __repr__(self) -> str:
+        return f"<VLLMAdapterWorker {self._name!r} rank={self._rank}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def _for_adapter(self, request: object) -> ToAdapter:
+        return ToAdapter(adapter=self.adapter.name, request=request)
+
+    async def report_device_id_async(self) -> DeviceId:
+        reply = await self._link.serve(self._rank, ReportDevice())
+        return _reply_of(reply, self._name, DeviceReply).device
+
+    async def parameter_specs(self) -> tuple[ParamSpec, ...]:
+        """The adapter's tensors, as the engine takes them (checked; see the class)."""
+        reply = await self._link.serve(self._rank, DeclareAdapter(adapter=self.adapter))
+        return _reply_of(reply, self._name, SpecsReply).specs
+
+    async def begin_update(self, version: int) -> None:
+        reply = await self._link.begin(self._rank, version, adapter=self.adapter.name)
+        _reply_of(reply, self._name, Done)
+
+    async def load_bucket(
+        self, version: int, bucket: int, handles: tuple[Handle, ...]
+    ) -> BucketAck:
+        request = LoadBucket(version=version, bucket=bucket, handles=handles)
+        reply = await self._link.load(self._rank, request, adapter=self.adapter.name)
+        return _reply_of(reply, self._name, BucketAck)
+
+    async def commit_update(self, version: int, buckets: int) -> None:
+        reply = await self._link.commit(self._rank, version, buckets, adapter=self.adapter.name)
+        _reply_of(reply, self._name, Done)
+
+    async def abort_update(self, version: int) -> None:
+        try:
+            await self._link.abort(self._rank, version, adapter=self.adapter.name)
+        except Exception as exc:
+            raise self._link.translate(exc, self._rank) from exc
+
+    async def weight_version(self) -> int | None:
+        """The adapter's version this rank serves (``None``: none)."""
+        reply = await self._link.serve(self._rank, self._for_adapter(GetVersion()))
+        return _reply_of(reply, self._name, VersionReply).version
+
+    async def release_handles(self) -> None:
+        reply = await self._link.serve(self._rank, self._for_adapter(ReleaseHandles()))
         _reply_of(reply, self._name, Done)
 
 

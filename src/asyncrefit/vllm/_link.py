@@ -35,6 +35,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Collection,
+    Hashable,
     Mapping,
 )
 from typing import Any, Literal
@@ -58,11 +59,11 @@ from .._wire._messages import (
     BeginUpdate,
     CommitUpdate,
     DestinationsReply,
+    Done,
     ErrorReply,
     GetDestinations,
     LoadBucket,
     Reply,
-    Request,
 )
 from ..transport.destinations import Destinations
 from ._barrier import RankBarrier
@@ -79,7 +80,7 @@ from ._session import (
     Session,
     Start,
 )
-from ._wire import BACKEND, EXTENSION
+from ._wire import BACKEND, EXTENSION, InstallAdapter, RankRequest, RemoveAdapter, ToAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,20 @@ def _translate(exc: BaseException, name: str, ranks: Collection[str] = ()) -> Ex
     return WorkerRemoteError(name, "Interrupted", "the engine-wide step was interrupted")
 
 
+def _wrap(request: RankRequest, adapter: str | None) -> RankRequest:
+    """``request`` for the LoRA adapter ``adapter`` (``None``: the engine's weights)."""
+    return request if adapter is None else ToAdapter(adapter=adapter, request=request)
+
+
+def _target(key: Hashable) -> object:
+    """The target of a step's key in the barrier: ``(adapter or None, step, ...)``."""
+    return key[0] if isinstance(key, tuple) else None
+
+
+def _unwrap(request: object) -> object:
+    return request.request if isinstance(request, ToAdapter) else request
+
+
 # --- the link ----------------------------------------------------------------------
 
 
@@ -157,14 +172,20 @@ class _EngineLink:
         self.world = int(config.parallel_config.world_size)
         self._channels = RankChannels(name, self.world, self.worker_name)
         self._session_lock = anyio.Lock()  # begin, commit and abort
-        self._barrier: RankBarrier[Request, Reply] = RankBarrier(
+        self._barrier: RankBarrier[RankRequest, Reply] = RankBarrier(
             self.world, self.worker_name, self.translate
         )
         # What the engine owes between calls (paused, an open update, a stale prefix
         # cache, an unconfirmed abort): the link carries out the steps it returns.
         self._session = Session()
-        # Whether the open update is written directly by the trainer (begun so).
+        # Whether the open update is written directly by the trainer (begun so), and
+        # the LoRA adapter it is for (None: the engine's weights).
         self._direct = False
+        self._adapter: str | None = None
+        # Pushes of the engine's weights and of each adapter run one at a time: the
+        # target whose push holds the session (from its begin to its commit or abort).
+        self._owner: tuple[str | None] | None = None
+        self._owner_free = anyio.Event()
 
     def __repr__(self) -> str:
         dead = self._channels.dead
@@ -191,6 +212,21 @@ class _EngineLink:
 
     def worker_name(self, rank: int) -> str:
         return f"{self.name}/rank-{rank}"
+
+    async def _claim(self, target: str | None) -> None:
+        """Wait until no push of another target holds the session, then hold it."""
+        while self._owner is not None and self._owner != (target,):
+            await self._owner_free.wait()
+        self._owner = (target,)
+
+    def _release(self, target: str | None) -> None:
+        if self._owner == (target,):
+            self._owner = None
+            self._owner_free.set()
+            self._owner_free = anyio.Event()
+
+    def _holds(self, target: str | None) -> bool:
+        return self._owner == (target,)
 
     def translate(self, exc: BaseException, rank: int) -> Exception:
         """``exc`` as the error of ``rank``; a failure of another rank names that rank."""
@@ -234,10 +270,12 @@ class _EngineLink:
                 acquired = True
             if acquired:
                 try:
-                    await self._abort_locked()  # resumes generation, even if dead
+                    await self._abort_locked(every_target=True)  # resumes generation
                 except Exception as exc:
                     logger.warning("engine %s: the abort was not confirmed: %s", self.name, exc)
                 finally:
+                    if self._owner is not None:
+                        self._release(self._owner[0])
                     self._session_lock.release()
             else:
                 logger.error("engine %s: a push still holds the session; not aborted", self.name)
@@ -247,7 +285,7 @@ class _EngineLink:
 
     async def _exchange(
         self,
-        requests: Mapping[int, Request],
+        requests: Mapping[int, RankRequest],
         via: Literal["serve", "update"],
     ) -> dict[int, Reply]:
         """Each rank's request on its channel, triggered by one engine-wide RPC.
@@ -266,7 +304,7 @@ class _EngineLink:
 
     # --- engine-wide steps, gathered from every rank ---------------------------------
 
-    async def serve(self, rank: int, request: Request) -> Reply:
+    async def serve(self, rank: int, request: RankRequest) -> Reply:
         """A request outside weight updates (device, specs, version, release).
 
         These carry no handles and change no weights, so the same request goes to
@@ -302,28 +340,36 @@ class _EngineLink:
             return None
         return found[rank]
 
-    async def begin(self, rank: int, version: int, *, direct: bool = False) -> Reply:
-        async def run(requests: dict[int, Request]) -> dict[int, Reply]:
-            modes = {r: isinstance(q, BeginUpdate) and q.direct for r, q in requests.items()}
-            if len(set(modes.values())) > 1:
-                staged = sorted(r for r, d in modes.items() if not d)
+    async def begin(
+        self, rank: int, version: int, *, direct: bool = False, adapter: str | None = None
+    ) -> Reply:
+        """Begin ``version`` of the engine's weights (``adapter`` ``None``) or of a LoRA
+        adapter, once every rank asked; waits while a push of another target holds the
+        session (it is held until this push's commit or abort)."""
+
+        async def run(requests: dict[int, RankRequest]) -> dict[int, Reply]:
+            modes = {r: _unwrap(q) for r, q in requests.items()}
+            if len({isinstance(q, BeginUpdate) and q.direct for q in modes.values()}) > 1:
+                staged = sorted(r for r, q in modes.items() if not getattr(q, "direct", False))
                 raise AsyncRefitError(
                     f"engine {self.name}: ranks {staged} were planned staged and the others "
                     "direct; an engine's ranks are written one way"
                 )
+            await self._claim(adapter)
             async with self._session_lock:
                 if self._session.must_abort:
                     await self._abort_locked()  # an earlier push was never ended
-                self._barrier.drop()
+                self._barrier.drop(lambda key: _target(key) == adapter)
                 self._direct = direct
+                self._adapter = adapter
                 # Each asked for before its call: if the call fails or is cancelled, the
                 # abort that follows ends whatever was started, then resumes generation.
                 replies: dict[int, Reply] | None = None
                 for step in self._session.begin(version):
                     self._session.asking(step)
-                    if direct and isinstance(step, Start):
-                        # No engine RPC: each rank's control thread opens its update
-                        # and begins (vLLM's own weight update stays closed).
+                    if self._by_control and isinstance(step, Start):
+                        # No engine RPC: each rank's control thread begins (vLLM's own
+                        # weight update stays closed; an adapter's push never opens it).
                         replies = await self._channels.control(requests)
                     else:
                         await self._call(step)
@@ -332,46 +378,116 @@ class _EngineLink:
                     replies = await self._exchange(requests, "update")
                 return replies
 
-        request = BeginUpdate(version=version, direct=direct)
-        return await self._barrier.gather(("begin", version), rank, request, run)
+        request = _wrap(BeginUpdate(version=version, direct=direct), adapter)
+        return await self._barrier.gather((adapter, "begin", version), rank, request, run)
 
-    async def load(self, rank: int, request: LoadBucket) -> Reply:
-        async def run(requests: dict[int, Request]) -> dict[int, Reply]:
+    @property
+    def _by_control(self) -> bool:
+        """Whether the open session's steps go to the ranks' control channels (a direct
+        version, an adapter's push) rather than through vLLM's weight update."""
+        return self._direct or self._adapter is not None
+
+    async def load(self, rank: int, request: LoadBucket, *, adapter: str | None = None) -> Reply:
+        async def run(requests: dict[int, RankRequest]) -> dict[int, Reply]:
+            if adapter is not None:
+                if not self._holds(adapter):
+                    raise AsyncRefitError(f"LoRA adapter {adapter!r} has no push open")
+                return await self._channels.control(requests)
             return await self._exchange(requests, "update")
 
-        key = ("load", request.version, request.bucket)
-        return await self._barrier.gather(key, rank, request, run)
+        key = (adapter, "load", request.version, request.bucket)
+        return await self._barrier.gather(key, rank, _wrap(request, adapter), run)
 
-    async def commit(self, rank: int, version: int, buckets: int) -> Reply:
-        async def run(requests: dict[int, Request]) -> dict[int, Reply]:
+    async def commit(
+        self, rank: int, version: int, buckets: int, *, adapter: str | None = None
+    ) -> Reply:
+        async def run(requests: dict[int, RankRequest]) -> dict[int, Reply]:
             async with self._session_lock:
-                if not self._session.receiving(version):
+                if not (self._holds(adapter) and self._session.receiving(version)):
                     raise AsyncRefitError(f"version {version} is not being received")
-                if self._direct:
-                    return await self._commit_direct(requests, version)
-                steps = self._session.commit(version)
-                replies = await self._exchange(requests, "update")
-                if (refused := _all_or_nothing(replies)) is not None:
-                    return refused
-                # Finish (the label), then reset the cache: the label and the cache move
-                # together, no block computed with older weights is reused once
-                # generation resumes. A step that fails leaves it asked for: still
-                # paused, the push fails, and the abort that follows ends it.
-                for step in steps:
-                    self._session.asking(step)
-                    try:
-                        await self._call(step)
-                    except Exception as exc:
-                        if isinstance(step, Finish):
-                            raise
-                        raise self._failed_after_commit(version, step.what, exc) from exc
-                    self._session.done(step)
+                if adapter is not None:
+                    replies = await self._commit_adapter(requests, version, adapter)
+                elif self._direct:
+                    replies = await self._commit_direct(requests, version)
+                else:
+                    replies = await self._commit_staged(requests, version)
+                if not any(isinstance(r, ErrorReply) for r in replies.values()):
+                    self._release(adapter)  # committed: the next push may begin
                 return replies
 
-        request = CommitUpdate(version=version, buckets=buckets)
-        return await self._barrier.gather(("commit", version), rank, request, run)
+        request = _wrap(CommitUpdate(version=version, buckets=buckets), adapter)
+        return await self._barrier.gather((adapter, "commit", version), rank, request, run)
 
-    async def _commit_direct(self, requests: dict[int, Request], version: int) -> dict[int, Reply]:
+    async def _commit_staged(
+        self, requests: dict[int, RankRequest], version: int
+    ) -> dict[int, Reply]:
+        steps = self._session.commit(version)
+        replies = await self._exchange(requests, "update")
+        if (refused := _all_or_nothing(replies)) is not None:
+            return refused
+        # Finish (the label), then reset the cache: the label and the cache move
+        # together, no block computed with older weights is reused once generation
+        # resumes. A step that fails leaves it asked for: still paused, the push
+        # fails, and the abort that follows ends it.
+        for step in steps:
+            self._session.asking(step)
+            try:
+                await self._call(step)
+            except Exception as exc:
+                if isinstance(step, Finish):
+                    raise
+                raise self._failed_after_commit(version, step.what, exc) from exc
+            self._session.done(step)
+        return replies
+
+    async def _commit_adapter(
+        self, requests: dict[int, RankRequest], version: int, adapter: str
+    ) -> dict[int, Reply]:
+        """Commit a version of a LoRA adapter: every rank builds it (nothing served
+        changes), then, only if every rank could, every rank installs it; the prefix
+        cache is reset and generation resumed (the engine's label is the weights', and
+        stays). An install that fails at a rank takes the adapter out at every rank:
+        none serves it, rather than ranks serving different versions. The installs and
+        that removal are shielded from cancellation, each bounded by the cleanup
+        timeout. From the installs on, a failure leaves the cache stale (reset before
+        generation resumes)."""
+        finish, reset, resume = self._session.commit(version)
+        replies = await self._channels.control(requests)  # each rank builds it
+        if (refused := _all_or_nothing(replies)) is not None:
+            return refused
+        self._session.asking(finish)  # from here on the served adapter may change
+        installs: dict[int, RankRequest] = {
+            r: ToAdapter(adapter=adapter, request=InstallAdapter(version=version)) for r in requests
+        }
+        with anyio.CancelScope(shield=True), anyio.fail_after(self._cleanup):
+            installed = await self._channels.control(installs)
+            if (refused := _all_or_nothing(installed)) is not None:
+                removals: dict[int, RankRequest] = {
+                    r: ToAdapter(adapter=adapter, request=RemoveAdapter()) for r in requests
+                }
+                removed = await self._channels.control(removals)
+                if any(not isinstance(r, Done) for r in removed.values()):
+                    logger.error(
+                        "engine %s: LoRA adapter %r could not be taken out of every rank "
+                        "after a failed install: %s",
+                        self.name,
+                        adapter,
+                        removed,
+                    )
+                return refused
+        self._session.done(finish)
+        for step in (reset, resume):
+            self._session.asking(step)
+            try:
+                await self._call(step)
+            except Exception as exc:
+                raise self._failed_after_commit(version, step.what, exc) from exc
+            self._session.done(step)
+        return installed
+
+    async def _commit_direct(
+        self, requests: dict[int, RankRequest], version: int
+    ) -> dict[int, Reply]:
         """Commit a direct version: each rank's control thread waits for the trainer's
         writes, commits and ends its update (a rank ends it only if it committed), with
         no engine RPC; the engine's cache reset runs meanwhile; then the label and the
@@ -421,17 +537,26 @@ class _EngineLink:
             self.name, type(exc).__name__, f"version {version} is in, but {what} failed: {exc}"
         )
 
-    async def abort(self, rank: int, version: int) -> None:
+    async def abort(self, rank: int, version: int, *, adapter: str | None = None) -> None:
         """End the engine's session, whichever rank asks first; never waits for others.
 
         Returns once no rank reads a trainer buffer any more, or raises if that could
         not be confirmed (the next abort asks again). Generation is resumed whatever
-        else fails: see :meth:`_abort_locked`.
+        else fails: see :meth:`_abort_locked`. A push of another target (the weights, or
+        another adapter) holding the session is left alone: nothing of ``adapter``'s
+        is open then.
         """
         async with self._session_lock:
-            await self._abort_locked()
+            if not self._holds(adapter):
+                if self._owner is None and self._adapter == adapter:
+                    await self._abort_locked()  # confirm an earlier abort, resume
+                return
+            try:
+                await self._abort_locked()
+            finally:
+                self._release(adapter)
 
-    async def _abort_locked(self) -> None:
+    async def _abort_locked(self, *, every_target: bool = False) -> None:
         """Abort the open session (or confirm an earlier abort), end vLLM's weight
         update, label the engine incomplete if bytes were written, resume generation.
 
@@ -443,7 +568,8 @@ class _EngineLink:
         ended, the pause once a resume succeeded (a failed one is retried by the next
         abort or close).
         """
-        self._barrier.drop()
+        target = self._adapter
+        self._barrier.drop(None if every_target else lambda key: _target(key) == target)
         unconfirmed: Exception | None = None
         with anyio.CancelScope(shield=True):
             try:
@@ -461,10 +587,12 @@ class _EngineLink:
         self._session.asking(ask)
         unconfirmed: Exception | None = None
         written = False
-        requests: dict[int, Request] = {r: AbortUpdate(version=version) for r in range(self.world)}
+        requests: dict[int, RankRequest] = {
+            r: _wrap(AbortUpdate(version=version), self._adapter) for r in range(self.world)
+        }
         try:
             with anyio.fail_after(self._cleanup):
-                if self._direct:  # the control threads abort and end their update
+                if self._by_control:  # the control threads abort (and end their update)
                     replies = await self._channels.control(requests)
                 else:
                     replies = await self._exchange(requests, "serve")
@@ -483,6 +611,8 @@ class _EngineLink:
                 isinstance(reply, Aborted) and not reply.written for reply in replies.values()
             )
         steps = self._session.aborted(confirmed=unconfirmed is None, written=written)
+        if self._adapter is not None:  # the engine's label is its weights': it stays
+            steps = tuple(step for step in steps if not isinstance(step, Relabel))
         await self._clean_up(steps)
         return unconfirmed
 
@@ -506,7 +636,7 @@ class _EngineLink:
                 await ops.pause()
             case Start():
                 await ops.start()
-            case Finish(label=None) if self._direct:
+            case Finish(label=None) if self._by_control:
                 pass  # each rank's control thread ended its update with the abort
             case Finish(label=label):
                 await ops.finish(label)

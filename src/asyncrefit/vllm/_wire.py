@@ -13,8 +13,10 @@ engine RPC: the begin, commit and abort of a version the trainer writes directly
 frames are the same.
 
 Owns only what is vLLM's own: the names vLLM loads (:data:`BACKEND`,
-:data:`EXTENSION`), the greeting's role (:class:`RankHello`) and the worker's blocking
-end (:class:`BlockingChannel`). Everything else is the one wire stack's: a frame's
+:data:`EXTENSION`), the greeting's role (:class:`RankHello`), the requests of LoRA
+adapters (:class:`DeclareAdapter`, and :class:`ToAdapter` around the usual ones, sent
+in full: an adapter's buckets are few) and the worker's blocking end
+(:class:`BlockingChannel`). Everything else is the one wire stack's: a frame's
 payload is ``(request id, message)`` of the one vocabulary
 (:mod:`asyncrefit._wire._messages`, :class:`~asyncrefit._wire._messages.Aborted`
 included), with handles by reference as local and Ray workers get them
@@ -28,12 +30,13 @@ sides use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from .._wire._channel import frame
 from .._wire._framing import BlockingFrames
-from .._wire._messages import Hello, decode, encode
+from .._wire._messages import Hello, Request, decode, encode
 from .._wire._refs import RefDecoder
+from ._lora import LoRAAdapter
 
 #: The name asyncrefit's weight-transfer engine is registered under in vLLM.
 BACKEND = "asyncrefit"
@@ -61,6 +64,44 @@ class ControlHello(Hello):
     commit of a version the trainer writes directly)."""
 
     role: Literal["vllm-control"] = "vllm-control"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareAdapter:
+    """Check ``adapter`` against the engine and take its pushes from now on; answered
+    with the adapter's specs (:class:`~asyncrefit._wire._messages.SpecsReply`). Declaring
+    the same adapter again is answered the same; another adapter under its name or id
+    is refused."""
+
+    adapter: LoRAAdapter
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToAdapter:
+    """``request`` (a begin, a bucket, a commit, an abort, a version, a release) for
+    the declared adapter named ``adapter``, not for the engine's weights."""
+
+    adapter: str
+    request: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstallAdapter:
+    """Put ``version`` of the adapter in (every rank built it at its commit): the
+    second step of an adapter's commit, so that no rank swaps before every rank could
+    build it."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoveAdapter:
+    """Take the adapter out: an install that failed at one rank leaves no rank serving
+    it, rather than ranks serving different versions."""
+
+
+#: What a rank's channels carry: the one vocabulary's requests, and an adapter's.
+RankRequest: TypeAlias = Request | DeclareAdapter | ToAdapter
 
 
 def body(request_id: int, message: object) -> bytes:

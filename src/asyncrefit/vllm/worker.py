@@ -51,10 +51,11 @@ from .._wire._errors import error_reply
 from .._wire._messages import Aborted, AbortUpdate, BeginUpdate, CommitUpdate, Done
 from .._worker._endpoint import Endpoint
 from ..transport.destinations import Destinations
+from ._adapters import Adapters
 from ._amx import request_amx
 from ._compat import not_a_trainer_side
 from ._sink import Faults, ReloadSink, checkpoint_specs
-from ._wire import BACKEND, BlockingChannel, ControlHello, RankHello
+from ._wire import BACKEND, BlockingChannel, ControlHello, DeclareAdapter, RankHello, ToAdapter
 
 if not torch.cuda.is_available():
     request_amx()  # vLLM's CPU kernels may use AMX (see asyncrefit.vllm._amx)
@@ -167,6 +168,15 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         where = _device_id(torch.device(device), self._rank)
         self._sink = ReloadSink(self, where)
         self._endpoint: Endpoint[Aborted] = _RankEndpoint(self._sink, where)
+        # The vLLM worker this engine belongs to (its model runner holds the LoRA
+        # manager), made known by the extension's first RPC; and the LoRA adapters
+        # pushed in memory, each with its own versions.
+        self.worker: Any = None
+        self._adapters = Adapters(
+            lambda: getattr(self.worker, "model_runner", None),
+            lambda: dict(self._sink.declared().specs),
+            where,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -242,6 +252,14 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         self._close_channel()
         with self._lock:
             self._endpoint.release_handles()
+            self._adapters.abandon()
+            self._adapters.release()
+
+    def _handle(self, request: object) -> object:
+        """One request, for the engine's weights or for one of its LoRA adapters."""
+        if isinstance(request, DeclareAdapter | ToAdapter):
+            return self._adapters.handle(request)
+        return self._endpoint.handle(request)
 
     # --- serving the channel ----------------------------------------------------------
 
@@ -267,7 +285,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                     raise ConnectionError(f"request {got} arrived before {request_id}")
                 logger.debug("rank %d skips stale request %d", self._rank, got)
             with self._lock:
-                reply = self._endpoint.handle(request)
+                reply = self._handle(request)
             channel.send(request_id, reply)
         except Exception as exc:  # timeout, broken or garbled channel (handle never raises)
             logger.warning("rank %d: asyncrefit channel failed: %s", self._rank, exc)
@@ -297,6 +315,7 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
         finally:
             channel.close()
             with self._lock:
+                self._adapters.abandon()  # a LoRA push left open: its copies go
                 if self._control_update:
                     try:
                         self._endpoint.abandon()
@@ -336,6 +355,9 @@ class ChannelWeightTransferEngine(  # type: ignore[misc, unused-ignore]
                         if self._control_update:
                             self.finish_weight_update()  # no commit: ends as an abort
                         return reply
+                    case ToAdapter():
+                        # A LoRA adapter's push: set aside, swapped in at the commit.
+                        return self._adapters.handle(request)
                 raise AsyncRefitError(f"{type(request).__name__} is not a control request")
             except Exception as exc:
                 return error_reply(exc)
@@ -375,6 +397,7 @@ class RefitWorkerExtension:
                 f"engine (weight_transfer_config backend {BACKEND!r}); "
                 "pass asyncrefit.vllm.engine_args()"
             )
+        engine.worker = self  # its model runner holds the LoRA manager
         return engine
 
     def asyncrefit_shutdown(self) -> None:
