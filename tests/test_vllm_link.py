@@ -60,7 +60,7 @@ from asyncrefit._wire._messages import (
 )
 from asyncrefit._wire._refs import RefDecoder
 from asyncrefit.transport._base import dtype_name
-from asyncrefit.vllm import VLLMWorker
+from asyncrefit.vllm import VLLMAdapterWorker, VLLMWorker
 from asyncrefit.vllm._connect import _connected
 from asyncrefit.vllm._link import _EngineLink, _translate
 from asyncrefit.vllm._lora import LoRAAdapter
@@ -382,7 +382,8 @@ async def engine_link(
 
 
 async def each(
-    workers: list[VLLMWorker], step: Callable[[VLLMWorker], Coroutine[Any, Any, Any]]
+    workers: list[VLLMWorker] | list[VLLMAdapterWorker],
+    step: Callable[[Any], Coroutine[Any, Any, Any]],
 ) -> None:
     """Run one step on every rank at once, as the coordinator does."""
     async with anyio.create_task_group() as tg:
@@ -713,7 +714,7 @@ POLICY = LoRAAdapter(
 )
 
 
-async def push_adapter(workers: list[Any], version: int) -> None:
+async def push_adapter(workers: list[VLLMAdapterWorker], version: int) -> None:
     await each(workers, lambda w: w.begin_update(version))
     await each(workers, lambda w: w.load_bucket(version, 0, ()))
     await each(workers, lambda w: w.commit_update(version, 1))
