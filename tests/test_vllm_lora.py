@@ -20,7 +20,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pytest
@@ -28,7 +28,7 @@ import torch
 
 from asyncrefit import RefitCoordinator, WorkerRemoteError
 from asyncrefit.events import BucketAcked, PushEvent
-from asyncrefit.vllm import LoRAAdapter, connect_llm
+from asyncrefit.vllm import LoRAAdapter, connect_async_llm, connect_llm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -48,6 +48,7 @@ from .vllm_models import (
     greedy_gaps,
     load_trainer,
     make_checkpoint,
+    perturb,
     prefixed,
 )
 
@@ -62,7 +63,7 @@ TOKENS = 8
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 #: vLLM's CPU kernels against transformers, both float32 (see tests/test_vllm.py).
 NEAR_TIE = 0.1
-RANK = 8
+RANK: Literal[8] = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: Small buckets: an adapter of the tiny model (~110 KiB in float32) takes several.
 BUDGET = 64 << 10
@@ -90,20 +91,28 @@ def llm(base: Path) -> Iterator[LLM]:
     finally:
         core = engine.llm_engine.engine_core
         core.shutdown()
-        deadline = time.monotonic() + 60
-        while started & engine_processes() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_exit(started)
         ctx = getattr(getattr(core, "resources", None), "ctx", None)
         if ctx is not None and not ctx.closed:
             ctx.destroy(linger=0)
         assert not started & engine_processes()
 
 
-def lora_trainer(base: Path, seed: int, rank: int = RANK) -> tuple[Any, torch.optim.Optimizer]:
-    """A peft LoRA model of the base checkpoint, and an optimizer of its adapter alone."""
+def wait_for_exit(started: set[int]) -> None:
+    deadline = time.monotonic() + 60
+    while started & engine_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def lora_trainer(
+    base: Path, seed: int, rank: int = RANK, over: torch.nn.Module | None = None
+) -> tuple[Any, torch.optim.Optimizer]:
+    """A peft LoRA model of the base checkpoint (or of a copy of ``over``), and an
+    optimizer of its adapter alone."""
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
-    model = peft.get_peft_model(load_trainer(base), config)
+    start = load_trainer(base) if over is None else copy.deepcopy(over)
+    model = peft.get_peft_model(start, config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(trainable, lr=2e-2)
 
@@ -292,3 +301,92 @@ async def test_adapters_the_engine_cannot_take_are_refused_before_any_byte_moves
             if adapter.name != good.name:
                 assert await workers[0].lora(adapter).weight_version() is None
         assert await workers[0].lora(good).weight_version() == held
+
+
+async def test_async_llm_serves_the_new_adapter_to_requests_after_the_push(base: Path) -> None:
+    """``AsyncLLM`` serving while an adapter is pushed: a request in flight (with the
+    adapter) is frozen and continued ("keep"); requests that start after the push get
+    the new adapter."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    model, optimizer = lora_trainer(base, seed=7)
+    adapter = LoRAAdapter.from_peft(model, name="policy", id=1)
+    before = engine_processes()
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(base), **ENGINE_KWARGS, enable_lora=True, max_lora_rank=RANK, max_loras=2
+        )
+    )
+    started = engine_processes() - before
+
+    async def generate(prompt: Sequence[int], params: SamplingParams = GREEDY) -> list[int]:
+        final = None
+        request: TokensPrompt = {"prompt_token_ids": list(prompt)}
+        rid = f"lora-{time.monotonic_ns()}"
+        async for out in engine.generate(request, params, rid, lora_request=adapter.request()):
+            final = out
+        assert final is not None
+        return list(final.outputs[0].token_ids)
+
+    try:
+        prompts = [*PROMPTS, *prefixed(block_size(engine))]
+        async with (
+            connect_async_llm(engine, pause_mode="keep") as workers,
+            RefitCoordinator(
+                trainer=adapter.source(model),
+                workers=[w.lora(adapter) for w in workers],
+                budget_bytes=BUDGET,
+            ) as refit,
+        ):
+            train_step(model, optimizer, seed=71)
+            await refit.push(1)
+            for version in (2, 3):
+                [await generate(p) for p in prompts]  # the old adapter's KV, cached
+                train_step(model, optimizer, seed=70 + version)
+                long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(generate, prompts[0], long)  # in flight: kept
+                    await anyio.sleep(0.05)
+                    await refit.push(version)
+                assert await workers[0].lora(adapter).weight_version() == version
+                got = [await generate(p) for p in prompts]
+                assert follows(merged(model), prompts, got), version
+            assert not await engine.is_paused()
+    finally:
+        engine.shutdown()
+        await anyio.to_thread.run_sync(wait_for_exit, started)
+
+
+async def test_the_engines_weights_and_an_adapter_pushed_at_once_serve_both(
+    llm: LLM, base: Path
+) -> None:
+    """A push of the engine's weights (a full fine-tune of the base) and a push of an
+    adapter over those weights, at the same time into one engine: one runs after the
+    other; then base requests follow the new base, adapter requests the new base with
+    the adapter merged. (Last in this module: the engine's base weights change.)"""
+    trainer = load_trainer(base)
+    perturb(trainer, seed=8, scale=0.02)
+    model, optimizer = lora_trainer(base, seed=9, over=trainer)
+    train_step(model, optimizer, seed=91)
+    adapter = LoRAAdapter.from_peft(model, name="tuned", id=3)
+    prompts = [*PROMPTS, *prefixed(block_size(llm))]
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=1 << 20) as weights,
+        RefitCoordinator(
+            trainer=adapter.source(model),
+            workers=[w.lora(adapter) for w in workers],
+            budget_bytes=BUDGET,
+        ) as lora,
+    ):
+        # Named before its first push: the base model's output (and a warning), not a
+        # dead engine; both cached under the old weights.
+        assert tokens(llm, prompts, adapter.request()) == tokens(llm, prompts)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(weights.push, 50)
+            tg.start_soon(lora.push, 50)
+        assert await workers[0].weight_version() == 50
+        assert await workers[0].lora(adapter).weight_version() == 50
+        assert follows(trainer, prompts, tokens(llm, prompts))
+        assert follows(merged(model), prompts, tokens(llm, prompts, adapter.request()))

@@ -262,7 +262,9 @@ class AdapterSink:
         pass
 
 
-def build(adapter: LoRAAdapter, tensors: dict[str, torch.Tensor], runner: Any) -> Any:
+def build(
+    adapter: LoRAAdapter, tensors: dict[str, torch.Tensor], runner: Any, *, check_room: bool = True
+) -> Any:
     """``adapter``'s ``LoRAModel`` made of ``tensors`` as vLLM's own loader makes it
     from files (its config checked, its weights in the LoRA dtype, on the CPU), and
     room for it checked: all that can fail before the engine changes."""
@@ -284,6 +286,8 @@ def build(adapter: LoRAAdapter, tensors: dict[str, torch.Tensor], runner: Any) -
         weights_mapper=mapper,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+    if not check_room:
+        return lora
     held = adapters.list_adapters()
     pinned: set[int] = set(getattr(adapters._registered_adapters, "pinned_items", ()))
     if adapter.id not in held and len(pinned - {adapter.id}) >= adapters.capacity:
@@ -415,10 +419,42 @@ class Adapters:
                     f"LoRA adapter {adapter.name!r}: id {adapter.id} is "
                     f"{other.sink.adapter.name!r}'s on this engine"
                 )
-        specs = adapter_specs(adapter, lora_manager(self._runner()), self._specs())
+        runner = self._runner()
+        specs = adapter_specs(adapter, lora_manager(runner), self._specs())
+        self.guard()
         sink = AdapterSink(adapter, specs, self._runner)
         self._endpoints[adapter.name] = _AdapterEndpoint(sink, self._device)
         return specs
+
+    def guard(self) -> None:
+        """Make vLLM's LoRA manager, asked for an adapter declared here that this rank
+        holds no version of (not pushed yet, or taken out after a failed install), load
+        it as all zeros (the base model's output), with a warning, rather than look for
+        files at its :attr:`~asyncrefit.vllm.LoRAAdapter.path`: that fails the engine's
+        step, and with it the engine. Idempotent; nothing without LoRA."""
+        manager: Any = getattr(self._runner(), "lora_manager", None)
+        load = getattr(manager, "_load_adapter", None)
+        if manager is None or load is None or getattr(load, "asyncrefit_guard", False):
+            return
+
+        def guarded(lora_request: Any) -> Any:
+            endpoint = self._endpoints.get(getattr(lora_request, "lora_name", ""))
+            if endpoint is None or endpoint.sink.adapter.path != lora_request.lora_path:
+                return load(lora_request)
+            adapter = endpoint.sink.adapter
+            logger.warning(
+                "LoRA adapter %r has no version on this rank (not pushed yet, or taken out "
+                "after a failed push): its requests get the base model's output",
+                adapter.name,
+            )
+            zeros = {
+                spec.name: torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype))
+                for spec in endpoint.specs()
+            }
+            return build(adapter, zeros, self._runner(), check_room=False)
+
+        guarded.asyncrefit_guard = True  # type: ignore[attr-defined]
+        manager._load_adapter = guarded
 
     def release(self) -> None:
         """Drop every adapter's cached mappings (the adapters stay served)."""

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
     from ..trainer._local import LocalTrainer
 
+#: The start of an adapter's ``lora_path``: no file, the adapter's own key.
+PATH_PREFIX = "asyncrefit-lora://"
 #: A peft parameter of a LoRA layer: ``<module>.lora_A.<adapter>.weight``.
 _PEFT_NAME = re.compile(r"^(?P<module>.+)\.(?P<ab>lora_[AB])\.(?P<adapter>[^.]+)\.weight$")
 #: What a saved adapter calls it (and what vLLM loads): ``<module>.lora_A.weight``.
@@ -138,7 +140,7 @@ class LoRAAdapter:
     def path(self) -> str:
         """The ``lora_path`` of :meth:`request`: no file, only the adapter's own key
         (vLLM's prefix cache keys blocks by name and path)."""
-        return f"asyncrefit-lora://{self.name}"
+        return f"{PATH_PREFIX}{self.name}"
 
     def source(self, model: torch.nn.Module | Any, **kwargs: Any) -> LocalTrainer:
         """A :class:`~asyncrefit.LocalTrainer` over ``model`` (a peft model) that
@@ -152,8 +154,10 @@ class LoRAAdapter:
     def request(self) -> Any:
         """The ``vllm.lora.request.LoRARequest`` that names this adapter in requests.
 
-        Name it only once a push of the adapter committed: until then the engine
-        holds no such adapter and would look for files at :attr:`path`.
+        Name it once a push of the adapter committed: until then (and after an install
+        that failed at a rank took it out) the engine serves such requests with the
+        base model's output, and logs a warning. (Named on an engine it was never
+        declared on, vLLM looks for files at :attr:`path`, fails, and its engine dies.)
         """
         from vllm.lora.request import LoRARequest
 
