@@ -70,3 +70,15 @@ def test_fp8_example_pushes_quantized_weights_that_equal_an_fp8_checkpoint() -> 
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3, done.stdout[-4000:]
     assert "checkpoint: True" in done.stdout
+
+
+def test_lora_example_pushes_an_adapter_that_equals_it_loaded_from_files() -> None:
+    pytest.importorskip("peft")
+    done = run_example("vllm_lora.py")
+    assert done.returncode == 0, done.stdout[-4000:]
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [s.split(",")[0] for s in steps] == [
+        f"step {i}: pushed adapter version {i}" for i in (1, 2, 3)
+    ], done.stdout[-4000:]
+    assert "loaded from files: True" in done.stdout
+    assert "base model tokens unchanged: True" in done.stdout

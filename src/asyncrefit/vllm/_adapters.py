@@ -10,9 +10,11 @@ is the engine's LoRA dtype. Each adapter then has its own
 :class:`~asyncrefit._worker._endpoint.Endpoint` (its own versions) over an
 :class:`AdapterSink`: a push's tensors are copied aside on the CPU, where vLLM keeps
 its adapters, and nothing the engine serves changes until the commit, which builds the
-adapter as vLLM's loader does (``LoRAModel.from_lora_tensors``) and only then swaps it
-for the old one in the LoRA manager, pinned there so that vLLM never evicts it and
-looks for it on disk.
+adapter as vLLM's loader does (``LoRAModel.from_lora_tensors``) at every rank, and
+only once every rank could, installs it in place of the old one in vLLM's LoRA cache.
+vLLM may evict it from that cache like any adapter; asked for it again, it makes it
+again from the tensors of the installed version (:meth:`Adapters.guard`), never from
+files.
 
 This module imports torch and vLLM: only vLLM worker processes import it.
 """
@@ -185,7 +187,11 @@ class AdapterSink:
         )
         self._runner = runner
         self._staged: dict[str, torch.Tensor] | None = None
-        self._ready: tuple[int, int, Any] | None = None  # version, buckets, LoRAModel
+        self._ready: tuple[int, int, Any, dict[str, torch.Tensor]] | None = None
+        #: The tensors of the version installed (``None``: none is), kept as received:
+        #: vLLM may evict the adapter from its cache and load it again (see
+        #: :meth:`Adapters.guard`).
+        self.served: dict[str, torch.Tensor] | None = None
 
     def declared(self) -> Declared:
         return self._declared
@@ -234,7 +240,8 @@ class AdapterSink:
                 f"version {version} of LoRA adapter {self.adapter.name!r} lacks "
                 f"{len(missing)} tensors ({missing[0]!r}, ...)"
             )
-        self._ready = (version, buckets, build(self.adapter, staged, self._runner()))
+        lora = build(self.adapter, staged, self._runner())
+        self._ready = (version, buckets, lora, staged)
         return False  # complete once installed (every rank built it)
 
     def install(self, version: int) -> int:
@@ -242,12 +249,16 @@ class AdapterSink:
         ready, self._ready = self._ready, None
         if ready is None or ready[0] != version:
             raise UpdateStateError(f"version {version} of the adapter was not committed")
-        install(self.adapter, ready[2], self._runner())
-        return ready[1]
+        _, buckets, lora, tensors = ready
+        self.served = None
+        install(self.adapter, lora, self._runner())
+        self.served = tensors
+        return buckets
 
     def remove(self) -> None:
         """Take the adapter out of the engine (it serves none)."""
         self._ready = None
+        self.served = None
         adapters = lora_manager(self._runner())._adapter_manager
         adapters.remove_adapter(self.adapter.id)
 
@@ -265,9 +276,9 @@ class AdapterSink:
 def build(
     adapter: LoRAAdapter, tensors: dict[str, torch.Tensor], runner: Any, *, check_room: bool = True
 ) -> Any:
-    """``adapter``'s ``LoRAModel`` made of ``tensors`` as vLLM's own loader makes it
-    from files (its config checked, its weights in the LoRA dtype, on the CPU), and
-    room for it checked: all that can fail before the engine changes."""
+    """``adapter``'s ``LoRAModel`` made of ``tensors`` (left as they are) as vLLM's own
+    loader makes it from files (its config checked, its weights in the LoRA dtype, on
+    the CPU), and room for it checked: all that can fail before the engine changes."""
     from vllm.lora.lora_model import LoRAModel
 
     manager = lora_manager(runner)
@@ -278,7 +289,7 @@ def build(
         mapper = mapper.get_rename_mapper()
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=adapter.id,
-        tensors=tensors,
+        tensors={name: t.clone() for name, t in tensors.items()},  # vLLM scales in place
         peft_helper=_peft_helper(adapter, manager),
         device="cpu",
         dtype=_lora_dtype(manager),
@@ -299,21 +310,17 @@ def build(
 
 
 def install(adapter: LoRAAdapter, lora: Any, runner: Any) -> None:
-    """Put ``lora`` (made by :func:`build`) in place of ``adapter``'s old version,
-    pinned: never evicted, so never looked for on disk. Raises
-    :class:`AdapterLostError` if the old one was taken out and the new one could not
-    be put in."""
+    """Put ``lora`` (made by :func:`build`) in place of ``adapter``'s old version in
+    vLLM's LoRA cache, evicting the least recently used adapter if the cache is full
+    (as vLLM does). Not pinned: evicted later, it is made again from what was pushed
+    (see :meth:`Adapters.guard`). Raises :class:`AdapterLostError` if the old one was
+    taken out and the new one could not be put in."""
     adapters = lora_manager(runner)._adapter_manager
     removed = adapters.remove_adapter(adapter.id)
     try:
         if len(adapters) >= adapters.capacity:
-            adapters.remove_oldest_adapter()  # an unpinned one: vLLM reloads it if asked
+            adapters.remove_oldest_adapter()
         adapters.add_adapter(lora)
-        pin = getattr(adapters, "_pin_lora_in_cpu_cache", None)
-        if pin is not None:
-            pin(adapter.id)
-        else:  # pragma: no cover - a vLLM without the CPU-only pin
-            adapters.pin_adapter(adapter.id)
     except Exception as exc:
         adapters.remove_adapter(adapter.id)
         if removed:
@@ -427,11 +434,13 @@ class Adapters:
         return specs
 
     def guard(self) -> None:
-        """Make vLLM's LoRA manager, asked for an adapter declared here that this rank
-        holds no version of (not pushed yet, or taken out after a failed install), load
-        it as all zeros (the base model's output), with a warning, rather than look for
-        files at its :attr:`~asyncrefit.vllm.LoRAAdapter.path`: that fails the engine's
-        step, and with it the engine. Idempotent; nothing without LoRA."""
+        """Make vLLM's LoRA manager, asked to load an adapter declared here (the first
+        request after vLLM evicted it from its cache), make it from the tensors of the
+        version installed, not look for files at its
+        :attr:`~asyncrefit.vllm.LoRAAdapter.path` (which fails the engine's step, and
+        with it the engine). Without a version (not pushed yet, or taken out after a
+        failed install), it is made of zeros: the base model's output, with a warning.
+        Idempotent; nothing without LoRA."""
         manager: Any = getattr(self._runner(), "lora_manager", None)
         load = getattr(manager, "_load_adapter", None)
         if manager is None or load is None or getattr(load, "asyncrefit_guard", False):
@@ -441,17 +450,18 @@ class Adapters:
             endpoint = self._endpoints.get(getattr(lora_request, "lora_name", ""))
             if endpoint is None or endpoint.sink.adapter.path != lora_request.lora_path:
                 return load(lora_request)
-            adapter = endpoint.sink.adapter
-            logger.warning(
-                "LoRA adapter %r has no version on this rank (not pushed yet, or taken out "
-                "after a failed push): its requests get the base model's output",
-                adapter.name,
-            )
-            zeros = {
-                spec.name: torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype))
-                for spec in endpoint.specs()
-            }
-            return build(adapter, zeros, self._runner(), check_room=False)
+            adapter, tensors = endpoint.sink.adapter, endpoint.sink.served
+            if tensors is None:
+                logger.warning(
+                    "LoRA adapter %r has no version on this rank (not pushed yet, or taken "
+                    "out after a failed push): its requests get the base model's output",
+                    adapter.name,
+                )
+                tensors = {
+                    spec.name: torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype))
+                    for spec in endpoint.specs()
+                }
+            return build(adapter, tensors, self._runner(), check_room=False)
 
         guarded.asyncrefit_guard = True  # type: ignore[attr-defined]
         manager._load_adapter = guarded
