@@ -92,16 +92,21 @@ def llm(base: Path) -> Iterator[LLM]:
         core = engine.llm_engine.engine_core
         core.shutdown()
         wait_for_exit(started)
-        ctx = getattr(getattr(core, "resources", None), "ctx", None)
-        if ctx is not None and not ctx.closed:
-            ctx.destroy(linger=0)
-        assert not started & engine_processes()
+        close_context(core)
 
 
 def wait_for_exit(started: set[int]) -> None:
     deadline = time.monotonic() + 60
     while started & engine_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert not started & engine_processes(), "engine processes left behind"
+
+
+def close_context(core: Any) -> None:
+    """Close the engine client's ZMQ context (vLLM leaves it to the garbage collector)."""
+    ctx = getattr(getattr(core, "resources", None), "ctx", None)
+    if ctx is not None and not ctx.closed:
+        ctx.destroy(linger=0)
 
 
 def lora_trainer(
@@ -356,6 +361,7 @@ async def test_async_llm_serves_the_new_adapter_to_requests_after_the_push(base:
     finally:
         engine.shutdown()
         await anyio.to_thread.run_sync(wait_for_exit, started)
+        close_context(engine.engine_core)
 
 
 async def test_the_engines_weights_and_an_adapter_pushed_at_once_serve_both(
