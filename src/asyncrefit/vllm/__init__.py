@@ -10,8 +10,11 @@ Start the engine with :func:`engine_args`, connect to it with :func:`connect_asy
             await refit.push(version=step)
 
 The trainer sends tensors under the checkpoint's (Hugging Face) names; vLLM's own
-weight-update session loads them. Importing this package does not import vLLM; vLLM
-imports :mod:`asyncrefit.vllm.worker` into its worker processes.
+weight-update session loads them. A LoRA adapter is pushed in memory with its own
+versions: declare it with :class:`LoRAAdapter` and give the coordinator
+``[w.lora(adapter) for w in workers]`` (see :class:`VLLMAdapterWorker`). Importing
+this package does not import vLLM; vLLM imports :mod:`asyncrefit.vllm.worker` into its
+worker processes.
 """
 
 from .._exceptions import EngineConfigError as EngineConfigError

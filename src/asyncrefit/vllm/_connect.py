@@ -87,6 +87,9 @@ class VLLMWorker:
     vLLM's update session and always resumes generation (see
     :func:`connect_async_llm`); if bytes of the new version were written, or finishing
     the update failed, the engine's weight version becomes ``"incomplete-<version>"``.
+
+    :meth:`lora` gives this rank as the worker of one LoRA adapter, pushed by a
+    coordinator of its own (see :class:`VLLMAdapterWorker`).
     """
 
     def __init__(self, link: _EngineLink, rank: int) -> None:

@@ -19,6 +19,13 @@ vLLM update: its begin (the session's start), commit (its finish) and abort go t
 rank's control channel (:meth:`~._channels.RankChannels.control`), served by a thread of
 the worker with no engine RPC; pausing, the cache reset and resuming stay engine calls.
 
+A push is for the engine's weights or for one LoRA adapter (its *target*; the steps of
+an adapter's push travel as :class:`~._wire.ToAdapter`, all on the control channels,
+and its commit builds at every rank, then installs at every rank). Pushes of different
+targets share the one session, so the link runs them one at a time: a push holds the
+session from its begin to its commit or abort, and a begin of another target waits for
+it; an abort of a target that does not hold it is left alone.
+
 Errors: every failure reaches a rank as a :class:`~asyncrefit.WorkerError` naming it
 (:func:`_translate`; a failure at another rank is a :class:`~asyncrefit.PeerWorkerError`
 naming that rank). Cancellation and resources: begin, commit and abort take the session

@@ -25,6 +25,11 @@ A version the trainer writes directly into the rank's exported parameters (see
 serves its control channel, where the version's begin, commit and abort arrive
 (:meth:`ChannelWeightTransferEngine.control`).
 
+A LoRA adapter's requests (its declaration, then :class:`~asyncrefit.vllm._wire.ToAdapter`
+around a begin, a bucket, a commit, ...) go to the rank's adapters
+(:mod:`asyncrefit.vllm._adapters`), each with its own endpoint and versions; its push
+goes on the control channel, with no engine RPC.
+
 This module imports torch and vLLM: only vLLM worker processes import it.
 """
 
