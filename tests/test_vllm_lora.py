@@ -396,3 +396,53 @@ async def test_the_engines_weights_and_an_adapter_pushed_at_once_serve_both(
         assert await workers[0].lora(adapter).weight_version() == 50
         assert follows(trainer, prompts, tokens(llm, prompts))
         assert follows(merged(model), prompts, tokens(llm, prompts, adapter.request()))
+
+
+async def test_tensor_parallel_ranks_each_take_the_whole_adapter(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP 2: each rank is sent the whole adapter (vLLM's LoRA layers take their own
+    slice), builds it, and installs it once both built it; the engine's tokens are the
+    merged model's and those of the same adapter loaded from files."""
+    # vLLM binds each CPU worker's threads to cores; with one NUMA node it needs the
+    # cores spelled out, one per rank.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    model, optimizer = lora_trainer(base, seed=11)
+    adapter = LoRAAdapter.from_peft(model, name="policy", id=1)
+    before = engine_processes()
+    llm = LLM(
+        model=str(base),
+        **ENGINE_KWARGS,
+        tensor_parallel_size=2,
+        enable_lora=True,
+        max_lora_rank=RANK,
+        max_loras=2,
+    )
+    started = engine_processes() - before
+    try:
+        async with (
+            connect_llm(llm, name="tp2") as workers,
+            RefitCoordinator(
+                trainer=adapter.source(model),
+                workers=[w.lora(adapter) for w in workers],
+                budget_bytes=BUDGET,
+            ) as refit,
+        ):
+            assert [w.lora(adapter).name for w in workers] == [
+                "tp2/rank-0/lora-policy",
+                "tp2/rank-1/lora-policy",
+            ]
+            for version in (1, 2):
+                train_step(model, optimizer, seed=110 + version)
+                await refit.push(version)
+                assert [await w.lora(adapter).weight_version() for w in workers] == [version] * 2
+                got = tokens(llm, PROMPTS, adapter.request())
+                assert follows(merged(model), PROMPTS, got), version
+        model.save_pretrained(tmp_path / "saved")
+        files = LoRARequest("files", 2, str(tmp_path / "saved"))
+        assert tokens(llm, PROMPTS, files) == got
+    finally:
+        core = llm.llm_engine.engine_core
+        core.shutdown()
+        wait_for_exit(started)
+        close_context(core)
