@@ -68,6 +68,7 @@ from asyncrefit.vllm._wire import (
     BACKEND,
     EXTENSION,
     ControlHello,
+    DeclareAdapter,
     InstallAdapter,
     RemoveAdapter,
     ToAdapter,
@@ -161,6 +162,10 @@ class FakeWorker:
     def reply(self, request: object) -> object:
         if isinstance(request, ToAdapter):
             return self.adapter_reply(request.adapter, request.request)
+        if isinstance(request, DeclareAdapter):
+            tensors = request.adapter.tensors.items()
+            specs = (ParamSpec(name=n, shape=s, dtype="float32") for n, s in tensors)
+            return SpecsReply(specs=tuple(specs))
         match request:
             case ReportDevice():
                 return DeviceReply(device=DeviceId(node=local_node_id(), device=f"cpu:{self.rank}"))
@@ -194,8 +199,9 @@ class FakeWorker:
         match request:
             case BeginUpdate(version=v):
                 pending, built = v, False
-            case LoadBucket(bucket=b):
-                reply = BucketAck(bucket=b, nbytes=0, seconds=0.0)
+            case LoadBucket(bucket=b, handles=handles):
+                nbytes = sum(e.nbytes for e in handles[0].entries) if handles else 0
+                reply = BucketAck(bucket=b, nbytes=nbytes, seconds=0.0)
             case CommitUpdate(version=v):
                 assert pending == v
                 built = True
@@ -815,3 +821,41 @@ async def test_pushes_of_the_weights_and_of_an_adapter_run_one_at_a_time() -> No
             "resume",
         ]
         assert engine.stale_resumes == 0
+
+
+async def test_an_adapter_push_cancelled_at_every_scheduling_point_never_mixes() -> None:
+    """Cancel an adapter's push after 0, 1, 2, ... scheduling points until one ends:
+    after each, generation runs (resumed on a fresh cache), no session is open, every
+    rank serves the same version of the adapter (the one before, or the new one when the
+    cancellation came after it was installed), and the next push succeeds."""
+    from .test_cancellation import push_cancelled_after
+
+    names = [f"base_model.model.m.l{i}.q_proj.lora_{ab}.weight" for i in range(4) for ab in "AB"]
+    tensors = {n: torch.full((2, 64), float(i)) for i, n in enumerate(names)}
+    big = LoRAAdapter(name="big", id=3, config=POLICY.config, tensors={n: (2, 64) for n in names})
+    async with engine_link(world=2) as (engine, workers):
+        adapters = [w.lora(big) for w in workers]
+        async with RefitCoordinator(
+            trainer=LocalTrainer(tensors), workers=adapters, budget_bytes=1024
+        ) as refit:
+            await refit.push(1)
+            version, k, cancelled = 1, 0, 0
+            while True:
+                version += 1
+                before = engine.workers[0].adapters["big"][0]
+                finished = await push_cancelled_after(refit, version, k)
+                await engine.drain()
+                # One version at every rank: the old one, or (cancelled once it was in)
+                # the new one.
+                served = {w.adapters["big"][0] for w in engine.workers}
+                assert served == {version} if finished else served in ({before}, {version})
+                assert not engine.paused and not engine.session, k
+                assert engine.stale_resumes == 0, k
+                if finished:
+                    break
+                cancelled += 1
+                version += 1
+                await refit.push(version)
+                assert {w.adapters["big"][0] for w in engine.workers} == {version}
+                k += 1
+            assert cancelled >= 10, "the push finished too soon to test anything"
