@@ -152,6 +152,21 @@ def adapter_specs(
     return tuple(specs)
 
 
+def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:
+    """The same adapter as vLLM serves it: id, tensors, and the config's fields vLLM
+    reads (not, say, the peft version or the base model's path it was trained from)."""
+    from dataclasses import fields
+
+    from vllm.lora.peft_helper import PEFTHelper
+
+    read = {f.name for f in fields(PEFTHelper)}
+
+    def served(config: Any) -> dict[str, Any]:
+        return {k: v for k, v in config.items() if k in read}
+
+    return a.id == b.id and a.tensors == b.tensors and served(a.config) == served(b.config)
+
+
 class _HeldUntilCommit(VersionState):
     """An adapter's versions: a bucket loaded is set aside, not served, so the served
     adapter (the complete version) stays until it is installed."""
@@ -414,10 +429,10 @@ class Adapters:
     def declare(self, adapter: LoRAAdapter) -> tuple[ParamSpec, ...]:
         known = self._endpoints.get(adapter.name)
         if known is not None:
-            if known.sink.adapter != adapter:
+            if not _same_adapter(known.sink.adapter, adapter):
                 raise ValueError(
                     f"LoRA adapter {adapter.name!r} was declared on this engine with another "
-                    "id, config or tensors"
+                    "id, config or tensors: push it under another name"
                 )
             return known.specs()
         for other in self._endpoints.values():
