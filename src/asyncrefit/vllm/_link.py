@@ -466,22 +466,22 @@ class _EngineLink:
         installs: dict[int, RankRequest] = {
             r: ToAdapter(adapter=adapter, request=InstallAdapter(version=version)) for r in requests
         }
-        with anyio.CancelScope(shield=True), anyio.fail_after(self._cleanup):
-            installed = await self._channels.control(installs)
-            if (refused := _all_or_nothing(installed)) is not None:
-                removals: dict[int, RankRequest] = {
-                    r: ToAdapter(adapter=adapter, request=RemoveAdapter()) for r in requests
-                }
-                removed = await self._channels.control(removals)
-                if any(not isinstance(r, Done) for r in removed.values()):
-                    logger.error(
-                        "engine %s: LoRA adapter %r could not be taken out of every rank "
-                        "after a failed install: %s",
-                        self.name,
-                        adapter,
-                        removed,
-                    )
+        with anyio.CancelScope(shield=True):
+            installed: dict[int, Reply] | None = None
+            with anyio.move_on_after(self._cleanup):
+                installed = await self._channels.control(installs)
+            refused = None if installed is None else _all_or_nothing(installed)
+            if installed is None or refused is not None:
+                await self._remove_adapter(adapter, list(requests))
+            if installed is None:
+                raise WorkerTimeoutError(
+                    self.name,
+                    f"the install of version {version} of LoRA adapter {adapter!r} got no "
+                    f"answer within {self._cleanup} s",
+                )
+            if refused is not None:
                 return refused
+        assert installed is not None  # (the shield swallows no error)
         self._session.done(finish)
         for step in (reset, resume):
             self._session.asking(step)
@@ -491,6 +491,25 @@ class _EngineLink:
                 raise self._failed_after_commit(version, step.what, exc) from exc
             self._session.done(step)
         return installed
+
+    async def _remove_adapter(self, adapter: str, ranks: list[int]) -> None:
+        """Take ``adapter`` out at every rank (an install failed at one): none serves
+        it, rather than ranks serving different versions. Bounded by the cleanup
+        timeout; a failure is logged (the abort that follows fails the push anyway)."""
+        removals: dict[int, RankRequest] = {
+            r: ToAdapter(adapter=adapter, request=RemoveAdapter()) for r in ranks
+        }
+        removed: dict[int, Reply] | None = None
+        with anyio.move_on_after(self._cleanup):
+            removed = await self._channels.control(removals)
+        if removed is None or any(not isinstance(r, Done) for r in removed.values()):
+            logger.error(
+                "engine %s: LoRA adapter %r could not be taken out of every rank after a "
+                "failed install: %s",
+                self.name,
+                adapter,
+                removed if removed is not None else f"no answer within {self._cleanup} s",
+            )
 
     async def _commit_direct(
         self, requests: dict[int, RankRequest], version: int
