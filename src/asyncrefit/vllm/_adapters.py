@@ -181,14 +181,17 @@ class _HeldUntilCommit(VersionState):
 
 
 class AdapterSink:
-    """Where one adapter's buckets go: copies on the CPU, swapped in at the commit.
+    """Where one adapter's buckets go: copies on the CPU, built at the commit and
+    installed once every rank built it (:meth:`install`).
 
     Resource handling: a bucket's tensors are copied out of the trainer's buffer (the
-    copies waited for) and every view of it dropped before the ack; the copies of a
-    version are dropped at its commit or abort. Error handling: a commit missing a
-    tensor raises :class:`~asyncrefit.UpdateStateError`, one vLLM cannot build leaves
-    the old adapter serving; :class:`AdapterLostError` if the old one was taken out and
-    the new one could not be put in.
+    copies waited for) and every view of it dropped before the ack. The copies of a
+    version are dropped at its abort; once installed they are kept (:attr:`served`,
+    about the adapter's size, on the CPU) until the next version is installed or the
+    adapter is taken out. Error handling: a commit missing a tensor raises
+    :class:`~asyncrefit.UpdateStateError`, one vLLM cannot build leaves the old
+    adapter serving; :class:`AdapterLostError` if the old one was taken out and the new
+    one could not be put in.
     """
 
     def __init__(
