@@ -8,12 +8,15 @@
 #   bash benchmarks/gpu/device_run.sh bench     # no carry: the benchmark alone, after install
 #   bash benchmarks/gpu/device_run.sh local     # no carry: local GPU workers' tests and bench
 #   bash benchmarks/gpu/device_run.sh fp8       # no carry: the FP8 push against bf16 (7B set)
+#   bash benchmarks/gpu/device_run.sh torch     # carry deps: local and fp8 on a bare machine
 #
+# local, fp8 and torch need no vLLM: on a machine where install did not run, they take
+# pytest-asyncio from the carried .gpu-bundle/deps.
 # TESTS (default "not moe") selects the GPU tests the install step runs (pytest -k).
 #
 # Logs and results go to $OUT (the device tool's folder that comes back).
 set -uo pipefail
-step=${1:?usage: device_run.sh part|install|moe|bench|local|fp8}
+step=${1:?usage: device_run.sh part|install|moe|bench|local|fp8|torch}
 out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/bundle
 # spawn: the tests and the benchmark initialise CUDA before vLLM starts its processes.
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -28,12 +31,19 @@ install)
 moe)
   cp .gpu-bundle/moe.so.xz /tmp/bundle/
   bash /tmp/bundle/install.sh /tmp/site --moe || exit 1 ;;
-bench|local|fp8)
+bench)
   [ -d /tmp/site ] || { echo "install first (the machine went cold)"; exit 1; } ;;
+local|fp8|torch)
+  if [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+      .gpu-bundle/deps/pytest_asyncio-*.whl .gpu-bundle/deps/sniffio-*.whl || exit 1
+  fi ;;
 esac
 export PYTHONPATH=$PWD/src:/tmp/site:/tmp/site-stubs
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" | tee -a "$out/gpu.txt"
-if [ "$step" = fp8 ]; then
+if [ "$step" = torch ]; then
+  bash "$0" local; bash "$0" fp8
+elif [ "$step" = fp8 ]; then
   timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/fp8_bench.py --device cuda --repeats 5 \
     --out "$out/fp8_bench.json" 2>&1 | tee "$out/fp8_bench.log" | tail -12
 elif [ "$step" = local ]; then
