@@ -405,6 +405,10 @@ async def test_a_push_cancelled_inside_the_conversion_leaves_nothing_behind() ->
     assert own_segments() == []
 
 
+# The push ends after some 400-1700 scheduling points (as fast as the packing thread
+# runs against the loop), and each point costs a cancelled and a whole push: 10-60 s
+# here, past the module's 60 s on a loaded machine.
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["per-bucket", "stream"])
 async def test_cancel_at_every_scheduling_point(mode: str) -> None:
     full = hf_tensors(seed=12)
