@@ -57,7 +57,32 @@ def _reply_of(reply: Reply, name: str, kind: type[R]) -> R:
     return reply
 
 
-class VLLMWorker:
+class _Rank:
+    """What every worker of one rank has: its link, its rank, its name and its device."""
+
+    def __init__(self, link: _EngineLink, rank: int, name: str) -> None:
+        self._link = link
+        self._rank = rank
+        self._name = name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._name!r} rank={self._rank}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    async def report_device_id_async(self) -> DeviceId:
+        """Asks the vLLM worker, through ``collective_rpc`` awaited on the engine's loop."""
+        reply = await self._link.serve(self._rank, ReportDevice())
+        return _reply_of(reply, self._name, DeviceReply).device
+
+
+class VLLMWorker(_Rank):
     """One vLLM worker (one rank of one engine), as the coordinator sees it.
 
     Implements :class:`asyncrefit.abc.Worker`. Made by :func:`connect_async_llm` or
@@ -93,29 +118,11 @@ class VLLMWorker:
     """
 
     def __init__(self, link: _EngineLink, rank: int) -> None:
-        self._link = link
-        self._rank = rank
-        self._name = link.worker_name(rank)
-
-    def __repr__(self) -> str:
-        return f"<VLLMWorker {self._name!r} rank={self._rank}>"
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def rank(self) -> int:
-        return self._rank
+        super().__init__(link, rank, link.worker_name(rank))
 
     def statistics(self) -> ChannelStatistics:
         """Bytes this worker's channel carried so far (handles included)."""
         return self._link.statistics(self._rank)
-
-    async def report_device_id_async(self) -> DeviceId:
-        """Asks the vLLM worker, through ``collective_rpc`` awaited on the engine's loop."""
-        reply = await self._link.serve(self._rank, ReportDevice())
-        return _reply_of(reply, self._name, DeviceReply).device
 
     async def parameter_specs(self) -> tuple[ParamSpec, ...]:
         """The checkpoint names, shapes and the engine's dtype the model loads."""
@@ -172,7 +179,7 @@ class VLLMWorker:
         return VLLMAdapterWorker(self._link, self._rank, adapter)
 
 
-class VLLMAdapterWorker:
+class VLLMAdapterWorker(_Rank):
     """One rank of a vLLM engine, as the worker of one LoRA adapter (made by
     :meth:`VLLMWorker.lora`). Implements :class:`asyncrefit.abc.Worker`.
 
@@ -194,28 +201,11 @@ class VLLMAdapterWorker:
     """
 
     def __init__(self, link: _EngineLink, rank: int, adapter: LoRAAdapter) -> None:
-        self._link = link
-        self._rank = rank
+        super().__init__(link, rank, f"{link.worker_name(rank)}/lora-{adapter.name}")
         self.adapter = adapter
-        self._name = f"{link.worker_name(rank)}/lora-{adapter.name}"
-
-    def __repr__(self) -> str:
-        return f"<VLLMAdapterWorker {self._name!r} rank={self._rank}>"
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def rank(self) -> int:
-        return self._rank
 
     def _for_adapter(self, request: object) -> ToAdapter:
         return ToAdapter(adapter=self.adapter.name, request=request)
-
-    async def report_device_id_async(self) -> DeviceId:
-        reply = await self._link.serve(self._rank, ReportDevice())
-        return _reply_of(reply, self._name, DeviceReply).device
 
     async def parameter_specs(self) -> tuple[ParamSpec, ...]:
         """The adapter's tensors, as the engine takes them (checked; see the class)."""
