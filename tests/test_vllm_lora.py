@@ -102,6 +102,15 @@ def wait_for_exit(started: set[int]) -> None:
     assert not started & engine_processes(), "engine processes left behind"
 
 
+def lora_refit(workers: Sequence[Any], adapter: LoRAAdapter, model: Any) -> RefitCoordinator:
+    """A coordinator that pushes ``adapter`` of the peft ``model`` into the engine's ranks."""
+    return RefitCoordinator(
+        trainer=adapter.source(model),
+        workers=[w.lora(adapter) for w in workers],
+        budget_bytes=BUDGET,
+    )
+
+
 def close_context(core: Any) -> None:
     """Close the engine client's ZMQ context (vLLM leaves it to the garbage collector)."""
     ctx = getattr(getattr(core, "resources", None), "ctx", None)
@@ -154,11 +163,7 @@ async def test_three_pushes_after_optimizer_steps_serve_the_trainers_adapter(
     assert base_tokens == greedy(load_trainer(base), prompts, TOKENS)
     async with (
         connect_llm(llm) as workers,
-        RefitCoordinator(
-            trainer=adapter.source(model),
-            workers=[w.lora(adapter) for w in workers],
-            budget_bytes=BUDGET,
-        ) as refit,
+        lora_refit(workers, adapter, model) as refit,
     ):
         assert await workers[0].lora(adapter).weight_version() is None
         for version in (1, 2, 3):
@@ -201,11 +206,7 @@ async def test_two_adapters_on_one_engine_each_keep_their_own_versions(
     prompts = [*PROMPTS, *prefixed(block_size(llm))]
     async with connect_llm(llm) as workers:
         refits = {
-            name: RefitCoordinator(
-                trainer=adapter.source(model),
-                workers=[w.lora(adapter) for w in workers],
-                budget_bytes=BUDGET,
-            )
+            name: lora_refit(workers, adapter, model)
             for name, (model, _, adapter) in adapters.items()
         }
         async with refits["policy"], refits["critic"]:
@@ -230,11 +231,7 @@ async def test_a_cancelled_push_leaves_the_old_adapter_serving(llm: LLM, base: P
     prompts = [*PROMPTS, *prefixed(block_size(llm))]
     async with (
         connect_llm(llm) as workers,
-        RefitCoordinator(
-            trainer=adapter.source(model),
-            workers=[w.lora(adapter) for w in workers],
-            budget_bytes=BUDGET,
-        ) as refit,
+        lora_refit(workers, adapter, model) as refit,
     ):
         train_step(model, optimizer, seed=41)
         await refit.push(1)
@@ -296,11 +293,7 @@ async def test_adapters_the_engine_cannot_take_are_refused_before_any_byte_moves
         held = await workers[0].lora(good).weight_version()
         for expected, adapter in hostile.items():
             with pytest.raises(WorkerRemoteError, match=expected) as info:
-                async with RefitCoordinator(
-                    trainer=adapter.source(model),
-                    workers=[w.lora(adapter) for w in workers],
-                    budget_bytes=BUDGET,
-                ) as refit:
+                async with lora_refit(workers, adapter, model) as refit:
                     await refit.push(1)
             assert info.value.remote_type == "ValueError"
             if adapter.name != good.name:
@@ -338,11 +331,7 @@ async def test_async_llm_serves_the_new_adapter_to_requests_after_the_push(base:
         prompts = [*PROMPTS, *prefixed(block_size(engine))]
         async with (
             connect_async_llm(engine, pause_mode="keep") as workers,
-            RefitCoordinator(
-                trainer=adapter.source(model),
-                workers=[w.lora(adapter) for w in workers],
-                budget_bytes=BUDGET,
-            ) as refit,
+            lora_refit(workers, adapter, model) as refit,
         ):
             train_step(model, optimizer, seed=71)
             await refit.push(1)
@@ -380,11 +369,7 @@ async def test_the_engines_weights_and_an_adapter_pushed_at_once_serve_both(
     async with (
         connect_llm(llm) as workers,
         RefitCoordinator(trainer=trainer, workers=workers, budget_bytes=1 << 20) as weights,
-        RefitCoordinator(
-            trainer=adapter.source(model),
-            workers=[w.lora(adapter) for w in workers],
-            budget_bytes=BUDGET,
-        ) as lora,
+        lora_refit(workers, adapter, model) as lora,
     ):
         # Named before its first push: the base model's output (and a warning), not a
         # dead engine; both cached under the old weights.
@@ -422,11 +407,7 @@ async def test_tensor_parallel_ranks_each_take_the_whole_adapter(
     try:
         async with (
             connect_llm(llm, name="tp2") as workers,
-            RefitCoordinator(
-                trainer=adapter.source(model),
-                workers=[w.lora(adapter) for w in workers],
-                budget_bytes=BUDGET,
-            ) as refit,
+            lora_refit(workers, adapter, model) as refit,
         ):
             assert [w.lora(adapter).name for w in workers] == [
                 "tp2/rank-0/lora-policy",
