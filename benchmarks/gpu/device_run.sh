@@ -20,6 +20,11 @@ step=${1:?usage: device_run.sh part|install|moe|bench|local|fp8|torch}
 out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/bundle
 # spawn: the tests and the benchmark initialise CUDA before vLLM starts its processes.
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
+# The bundle carries DeepGEMM's library but not the headers its JIT compiles: an FP8
+# block-scaled engine picking DeepGEMM dies at its first forward (measured 2026-12-07:
+# "Failed to open .../deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh"). vLLM's other FP8 kernels
+# serve it; the test's two engines (pushed, loaded from the checkpoint) use the same one.
+export VLLM_USE_DEEP_GEMM=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 case "$step" in
 part)
