@@ -15,7 +15,7 @@ import dataclasses
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +36,7 @@ from asyncrefit import (
 from asyncrefit.abc import DirectWorker, WritingSource
 from asyncrefit.events import BucketPacked, PushEvent
 from asyncrefit.local import spawn_local_workers
+from asyncrefit.planning import Bucket
 from asyncrefit.transport.destinations import (
     DestinationEntry,
     Destinations,
@@ -158,6 +159,31 @@ async def test_direct_push_costs_two_calls_per_worker_whatever_the_buckets() -> 
                     assert w.equals(model)
                     assert await w.weight_version() == version
     assert own_segments() == []
+
+
+async def test_a_source_is_called_once_per_push_for_a_set_under_the_write_batch() -> None:
+    """Buckets far below the budget, a set far below the least write batch (64 MiB):
+    the source gets one write call per push for all its buckets (a remote source: one
+    actor call), not one per budget's worth."""
+    model = make_mlp()
+    source = LocalTrainer(model)
+    calls: list[int] = []
+    write = source.write
+
+    async def counted(buckets: Sequence[Bucket], workers: Sequence[str]) -> None:
+        calls.append(len(buckets))
+        await write(buckets, workers)
+
+    source.write = counted  # type: ignore[method-assign]
+    with direct_fakes(model, 2) as workers:
+        async with RefitCoordinator(trainer=source, workers=workers, budget_bytes=8 * KIB) as refit:
+            assert refit.plan is not None
+            for version in (1, 2):
+                step(model, version)
+                calls.clear()
+                await refit.push(version)
+                assert calls == [len(refit.plan.buckets)]
+                assert all(w.equals(model) for w in workers)
 
 
 async def test_direct_writes_cast_to_the_workers_dtype() -> None:

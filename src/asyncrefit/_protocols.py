@@ -187,8 +187,9 @@ class WritingSource(TrainerSource, Protocol):
     destinations for ``plan`` and returns whether this source can write there (the
     worker then gets no staged buckets from it); it raises for destinations that do
     not match the plan. ``write(buckets, workers)`` writes the tensors of
-    ``buckets`` (consecutive buckets of the plan, in order) into each attached
-    worker's places, complete on return except on a device, where
+    ``buckets`` (consecutive buckets of the plan, in order; together they may exceed
+    the budget, so it materialises what it must one bucket at a time) into each
+    attached worker's places, complete on return except on a device, where
     ``flush(wait=True)`` waits for every write issued, and ``flush(wait=False)``
     records the completion event of each worker that exported one
     (:attr:`~asyncrefit.transport.destinations.Destinations.event`: the worker waits

@@ -38,7 +38,14 @@ from ._budget import BudgetStatistics, ByteBudget
 from ._discovery import as_sources, as_workers, describe_sources, discover
 from ._ledger import Ledger, Member
 from ._plan import DEFAULT_ALIGNMENT, Plan
-from ._push import Push, PushOptions, call_worker, confirm_abort, end_push
+from ._push import (
+    WRITE_BATCH_MIN_BYTES,
+    Push,
+    PushOptions,
+    call_worker,
+    confirm_abort,
+    end_push,
+)
 from ._recorder import EventSource, PushRecorder
 from ._topology import Topology, plan_topology
 
@@ -142,7 +149,7 @@ class RefitCoordinator(EventSource):
             cleanup_timeout=cleanup_timeout,
             broadcast_all=broadcast_all_handles,
             verify=verify,
-            write_batch_bytes=budget_bytes,
+            write_batch_bytes=max(budget_bytes, WRITE_BATCH_MIN_BYTES),
         )
         self._load_sizes = LoadSizes()  # handle bytes of the load requests, per push
         self._direct_write = direct_write and not verify and not broadcast_all_handles

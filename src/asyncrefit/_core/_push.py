@@ -82,6 +82,15 @@ class PushOptions:
     write_batch_bytes: int = 1 << 30
 
 
+#: The least payload of a batch of direct writes (see :func:`write_batches`): a source
+#: materialises one bucket at a time whatever the batch, so a batch only bounds how long
+#: one source call runs (an abort waits for the call in flight: about 10 ms of writes on
+#: a CPU) and sets how many calls a remote source gets per push. Measured on Ray, 32
+#: actors x 8 buckets of 2 MiB: a call per two buckets (the budget) cost the driver
+#: 4 more actor calls per push than one call for all, about 15% of its CPU per push.
+WRITE_BATCH_MIN_BYTES = 64 << 20
+
+
 def write_batches(buckets: Sequence[Bucket], limit: int) -> list[tuple[Bucket, ...]]:
     """``buckets`` in order, grouped so that each group's payload is at most ``limit``
     bytes (a bucket larger than that is a group of its own)."""
@@ -280,9 +289,9 @@ class Push:
         that exported a completion event waits for it itself, at its commit).
 
         Consecutive buckets go to a source together, up to ``write_batch_bytes`` of
-        payload a call (at least one bucket): what a source may materialise at once
-        (a cast, a conversion) stays bounded, and a remote source is called once per
-        batch, not per bucket.
+        payload a call (at least one bucket): a remote source is called once per
+        batch, not per bucket. A source materialises one bucket at a time (a cast, a
+        conversion), so the budget bounds that whatever the batch.
         """
         groups = self.topology.direct_groups()
         if not groups:
