@@ -55,6 +55,29 @@ def test_block_quantization_is_vllms_bitwise(shape: tuple[int, int], dtype: torc
     assert torch.equal(fp8_block_scales(weight), s)
 
 
+@pytest.mark.parametrize("shape", [(256, 512), (300, 200)], ids=["whole", "padded"])
+def test_quantizing_into_out_or_from_a_strided_weight_gives_the_same_bytes(
+    shape: tuple[int, int],
+) -> None:
+    """The one-pass store into ``out`` (how a push writes a weight straight into its
+    destination) and a weight that is not contiguous (a transposed view) give the
+    reference's bytes; an ``out`` of the wrong kind is refused."""
+    theirs = _vllm_quantizer()
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+    want_q, want_s = theirs(weight, [128, 128], use_ue8m0=False)
+    out = torch.full(shape, 1.0).to(torch.float8_e4m3fn)
+    q, s = fp8_block_quantize(weight, out=out)
+    assert q is out
+    assert torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+    strided = weight.t().contiguous().t()  # the same values, column-major
+    q2, s2 = fp8_block_quantize(strided)
+    assert torch.equal(q2.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s2, want_s)
+    with pytest.raises(ValueError, match="contiguous float8_e4m3fn"):
+        fp8_block_quantize(weight, out=torch.empty(shape, dtype=torch.bfloat16))
+
+
 def test_division_would_not_be_bitwise() -> None:
     """Why the reciprocal: dividing by the scale rounds differently on bf16 weights."""
     weight = (torch.randn(1024, 4096, generator=torch.Generator().manual_seed(1)) * 0.02).to(

@@ -45,13 +45,17 @@ _AMAX_FLOOR = 1e-4
 
 
 def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``weight`` (2-D) zero-padded to whole blocks, viewed as ``[rows, bm, cols, bn]``."""
+    """``weight`` (2-D) viewed as ``[rows, bm, cols, bn]`` blocks: itself when its shape
+    is whole blocks, else a zero-padded copy (zeros change no block's largest
+    magnitude, and their quantized values are cut off)."""
     import torch
 
     if weight.dim() != 2:
         raise ValueError(f"block quantization takes a 2-D weight, got shape {list(weight.shape)}")
     m, n = weight.shape
     bm, bn = block
+    if m % bm == 0 and n % bn == 0 and weight.is_contiguous():
+        return weight.view(m // bm, bm, n // bn, bn)
     padded = torch.zeros(
         (math.ceil(m / bm) * bm, math.ceil(n / bn) * bn), dtype=weight.dtype, device=weight.device
     )
@@ -59,34 +63,64 @@ def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return padded.view(-1, bm, padded.size(1) // bn, bn)
 
 
+def _scales(view: torch.Tensor) -> torch.Tensor:
+    """Per block of ``view`` (``[rows, bm, cols, bn]``): max(largest magnitude, 1e-4) / 448
+    in float32, shaped ``[rows, 1, cols, 1]``. The largest magnitude is read in one pass
+    (the infinity norm, accumulated in float32: exact, as ``abs`` and ``max`` are)."""
+    import torch
+
+    amax: torch.Tensor = torch.linalg.vector_norm(
+        view, ord=math.inf, dim=(1, 3), keepdim=True, dtype=torch.float32
+    ).clamp(_AMAX_FLOOR)
+    return amax / FP8_MAX
+
+
 def fp8_block_scales(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """The ``float32`` scale of each block of ``weight``: its largest magnitude (at least
     1e-4) over :data:`FP8_MAX`, of shape ``(ceil(m / bm), ceil(n / bn))``: what a
     checkpoint stores as ``weight_scale_inv`` (a weight is ``fp8 * scale``)."""
     view = _blocks(weight, block)
-    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(_AMAX_FLOOR)
-    return (amax / FP8_MAX).view(view.size(0), view.size(2))
+    return _scales(view).view(view.size(0), view.size(2))
 
 
 def fp8_block_quantize(
-    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+    weight: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    *,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (2-D, any float dtype) in ``float8_e4m3fn`` and its block scales.
 
     The same arithmetic as vLLM's ``per_block_cast_to_fp8(weight, block, use_ue8m0=False)``
-    (``vllm/utils/deep_gemm.py``), step for step, so the bytes are equal: pad to whole
-    blocks with zeros; per block ``scale = max(amax, 1e-4) / 448`` in float32; values
-    ``(weight * (1.0 / scale)).to(float8_e4m3fn)``, multiplied by the reciprocal (a
-    division rounds differently) and not clamped (a block's largest value maps to 448).
+    (``vllm/utils/deep_gemm.py``), so the bytes are equal: zeros pad to whole blocks;
+    per block ``scale = max(amax, 1e-4) / 448`` in float32; values
+    ``(weight * (1.0 / scale)).to(float8_e4m3fn)``, multiplied in float32 by the
+    reciprocal (a division rounds differently) and not clamped (a block's largest value
+    maps to 448). It takes fewer passes over memory than vLLM's reference code: the
+    largest magnitudes in one read, and the product cast as it is stored, never held in
+    float32. ``out``: a contiguous ``float8_e4m3fn`` tensor of ``weight``'s shape to
+    write the values into (returned as the first element); by default a new one.
     """
     import torch
 
     m, n = weight.shape
     view = _blocks(weight, block)
-    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(_AMAX_FLOOR)
-    scale = amax / FP8_MAX
-    quantized = (view * (1.0 / scale)).to(torch.float8_e4m3fn)
-    weights = quantized.view(view.size(0) * view.size(1), -1)[:m, :n].contiguous()
+    scale = _scales(view)
+    if out is not None and (
+        out.dtype != torch.float8_e4m3fn or tuple(out.shape) != (m, n) or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous float8_e4m3fn tensor of shape {[m, n]}, got "
+            f"{out.dtype} {list(out.shape)}"
+        )
+    if view.data_ptr() == weight.data_ptr():  # whole blocks: no padding to cut off
+        weights = torch.empty_like(weight, dtype=torch.float8_e4m3fn) if out is None else out
+        torch.mul(view, 1.0 / scale, out=weights.view(view.shape))
+    else:
+        quantized = torch.empty(view.shape, dtype=torch.float8_e4m3fn, device=view.device)
+        torch.mul(view, 1.0 / scale, out=quantized)
+        cut = quantized.view(view.size(0) * view.size(1), -1)[:m, :n]
+        weights = cut.contiguous() if out is None else out.copy_(cut)
     return weights, scale.view(view.size(0), view.size(2))
 
 

@@ -67,8 +67,11 @@ class Fp8Weight(_Quantized):
         return f"<Fp8Weight shape={list(self.shape)} block={list(self.block)}>"
 
     def copy_into(self, out: torch.Tensor, copy: CopyPiece) -> None:
-        weights, _ = fp8_block_quantize(_read(self.sources[0]), self.block)
-        out.copy_(weights)
+        weight = _read(self.sources[0])
+        if out.is_contiguous() and out.dtype == self.dtype and out.device == weight.device:
+            fp8_block_quantize(weight, self.block, out=out)  # stored as it is computed
+        else:
+            out.copy_(fp8_block_quantize(weight, self.block)[0])
 
 
 class Fp8Scales(_Quantized):
