@@ -444,6 +444,14 @@ async def test_moe_three_pushes_after_optimizer_steps_follow_the_trainer(
 # --- FP8: the trainer quantizes as it packs ----------------------------------------------
 
 
+#: How far an FP8 engine's greedy tokens may be from the float32 trainer's (the largest
+#: teacher-forced gap, in logits). Measured 0.416 on an H100 (2026-12-07, vLLM 0.26,
+#: this test's model and prompts); the bound is about twice that. The equality with an
+#: engine loaded from the checkpoint is the exact check; this one catches a quantizer
+#: that both would share (``save_fp8_checkpoint`` quantizes as the push does).
+FP8_GAP = 0.85
+
+
 def _fp8_llm(path: Path) -> tuple[LLM, set[int]]:
     from . import vllm_amx
 
@@ -467,8 +475,8 @@ async def test_fp8_pushes_equal_an_engine_loaded_from_the_trainers_fp8_checkpoin
     on the GPU quantizing as it packs: after 3 pushes following optimizer steps, every
     parameter of the engine (as its GPU kernels process them) equals an engine loaded
     from the trainer's FP8 checkpoint, and so do its greedy tokens. How far FP8 moves
-    the tokens from the float32 trainer's is printed (teacher-forced gap), not judged:
-    that is the checkpoint's rounding, not the push's."""
+    the tokens from the float32 trainer's (teacher-forced gap) is the checkpoint's
+    rounding, not the push's: it is printed, and bounded by :data:`FP8_GAP`."""
     from asyncrefit.quantization import Fp8Blocks, save_fp8_checkpoint
 
     base = make_checkpoint(tmp_path / "base")
@@ -512,3 +520,4 @@ async def test_fp8_pushes_equal_an_engine_loaded_from_the_trainers_fp8_checkpoin
         _shut_down_llm(fresh.llm_engine.engine_core, started)
     gap = worst_gap(model, prompts, pushed_tokens)
     print(f"FP8 engine against the float32 trainer: worst teacher-forced gap {gap:.4f}")
+    assert gap <= FP8_GAP
