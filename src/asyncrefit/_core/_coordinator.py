@@ -45,6 +45,7 @@ from ._push import (
     call_worker,
     confirm_abort,
     end_push,
+    push_ending,
 )
 from ._recorder import EventSource, PushRecorder
 from ._topology import Topology, plan_topology
@@ -133,6 +134,7 @@ class RefitCoordinator(EventSource):
         if budget_bytes <= 0:
             raise PlanError(f"budget_bytes must be positive, got {budget_bytes}")
         self._sources = as_sources(trainer)
+        self._ending = push_ending(self._sources)  # asked once: a protocol check is slow
         self._ledger = Ledger()
         # Given at construction, discovered on entry.
         self._joining: list[Worker] = as_workers(workers)
@@ -159,7 +161,7 @@ class RefitCoordinator(EventSource):
         self._topology: Topology | None = None
         self._stale = False
         self._budget: ByteBudget | None = None
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)  # a free lock: no yield before a push
         self._push_scope: anyio.CancelScope | None = None
         self._state = "new"
         self._events = EventHub()
@@ -492,7 +494,7 @@ class RefitCoordinator(EventSource):
             ok = True
             return report
         finally:
-            await end_push(self._sources, version, ok, self._cleanup_timeout)
+            await end_push(self._ending, version, ok, self._cleanup_timeout)
 
     async def _prepare_push(self, version: int, recorder: PushRecorder) -> Push:
         """Re-plan if the sources changed, settle old aborts, check a slot is free."""

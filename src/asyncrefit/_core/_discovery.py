@@ -57,6 +57,8 @@ def as_workers(workers: Iterable[Worker | Any]) -> list[Worker]:
 
 async def describe_sources(sources: Sequence[TrainerSource]) -> list[SourceInfo]:
     """Ask every source, concurrently, what it holds; raises the one error of a failure."""
+    if len(sources) == 1:  # every push asks: no task group for one source
+        return [await sources[0].describe()]
     infos: list[SourceInfo | None] = [None] * len(sources)
 
     async def one(i: int) -> None:

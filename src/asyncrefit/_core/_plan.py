@@ -84,11 +84,12 @@ class Bucket:
     index: int
     nbytes: int
     entries: tuple[TensorEntry, ...]
+    #: Bytes of tensor data, without alignment padding (summed once: a push reads it
+    #: for every bucket).
+    payload_bytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of tensor data, without alignment padding."""
-        return sum(e.nbytes for e in self.entries)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload_bytes", sum(e.nbytes for e in self.entries))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -108,6 +108,22 @@ def write_batches(buckets: Sequence[Bucket], limit: int) -> list[tuple[Bucket, .
     return batches
 
 
+async def _each(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> None:
+    """Await every one of ``calls`` concurrently, in a task group; a single one in this
+    task (no task to start: the push's control path runs a call per worker, mostly one).
+
+    A failure is raised as the task group raises it, or bare for a single call (the
+    push takes the one error either stands for: see
+    :func:`~asyncrefit._exceptions.primary_error`).
+    """
+    if len(calls) == 1:
+        await calls[0]()
+        return
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(call)
+
+
 async def call_worker(
     member: Member,
     what: str,
@@ -153,11 +169,15 @@ async def confirm_abort(member: Member, version: int) -> Exception | None:
     return None
 
 
+def push_ending(sources: Iterable[TrainerSource]) -> list[PushEndingSource]:
+    """The sources that want to know when a push is over (see :func:`end_push`)."""
+    return [s for s in sources if isinstance(s, PushEndingSource)]
+
+
 async def end_push(
-    sources: Iterable[TrainerSource], version: int, ok: bool, cleanup_timeout: float
+    ending: Sequence[PushEndingSource], version: int, ok: bool, cleanup_timeout: float
 ) -> None:
-    """Tell the sources that want to know that the push is over (shielded, bounded)."""
-    ending = [s for s in sources if isinstance(s, PushEndingSource)]
+    """Tell ``ending`` (see :func:`push_ending`) that the push is over (shielded, bounded)."""
     if not ending:
         return
 
@@ -243,6 +263,17 @@ class Push:
         return self._recorder.committed(self.topology, self._budget.statistics().peak)
 
     async def _transfer(self) -> None:
+        if not self.topology.exporting_sources:
+            # Every worker is written directly: begin, write, commit, one after the
+            # other in this task (no task hop between them: the devices wait meanwhile).
+            await self._begin_all()
+            await self._write_direct()
+        else:
+            await self._transfer_staged()
+        with self._recorder.committing():
+            await _each([partial(self._commit, member) for member in self.members])
+
+    async def _transfer_staged(self) -> None:
         # The begins overlap the first bucket's pack; no bucket is sent before every
         # worker began. Exports go in plan order, bucket after bucket (the pack of k+1
         # overlaps the loads of k): the ranks of a sharded trainer gather in that order.
@@ -251,37 +282,27 @@ class Push:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._begin_all)
             tg.start_soon(self._write_direct)
-            # Staged buckets only where some worker is staged (or a rank gathers).
-            staged = bool(self.topology.exporting_sources)
-            for bucket in self.topology.plan.buckets if staged else ():
+            for bucket in self.topology.plan.buckets:
                 with self._recorder.waiting_for_budget():
                     await self._budget.acquire(self.topology.slot_bytes)
                 slot = self._ledger.take_slot()
                 after, exported = exported, anyio.Event()
                 tg.start_soon(self.send_bucket, bucket, slot, after, exported)
 
-        with self._recorder.committing():
-            async with anyio.create_task_group() as tg:
-                for member in self.members:
-                    tg.start_soon(self._commit, member)
-
     async def _begin_all(self) -> None:
-        version = self.version
+        self._touched.update(self.members)  # an abort must reach every one of them
         with self._recorder.beginning(self.topology):
-            async with anyio.create_task_group() as tg:
-                for member in self.members:
-                    self._touched.add(member)
-                    worker = member.worker
-                    if member in self.topology.direct:
-                        # checked when it was attached (no protocol check per push)
-                        direct = cast("DirectWorker", worker)
-                        begin = lambda w=direct: w.begin_direct(version)  # noqa: E731
-                        what = "begin_direct"
-                    else:
-                        begin = lambda w=worker: w.begin_update(version)  # noqa: E731
-                        what = "begin_update"
-                    tg.start_soon(self._call, member, what, begin)
+            await _each([partial(self._begin, member) for member in self.members])
         self._begun.set()
+
+    async def _begin(self, member: Member) -> None:
+        version, worker = self.version, member.worker
+        if member in self.topology.direct:
+            # checked when it was attached (no protocol check per push)
+            direct = cast("DirectWorker", worker)
+            await self._call(member, "begin_direct", lambda: direct.begin_direct(version))
+        else:
+            await self._call(member, "begin_update", lambda: worker.begin_update(version))
 
     async def _write_direct(self) -> None:
         """Have each source write every bucket into its direct members, in plan order,
@@ -300,20 +321,17 @@ class Push:
         sources = {i: cast("WritingSource", self._sources[i]) for i in groups}
         names = {i: [m.name for m in ms] for i, ms in groups.items()}
         count = sum(len(ms) for ms in groups.values())
-        await self._begun.wait()
+        if not self._begun.is_set():
+            await self._begun.wait()
         for batch in write_batches(self.topology.plan.buckets, self._options.write_batch_bytes):
             records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in batch]
             with self._recorder.writing(records, "direct", count):
-                async with anyio.create_task_group() as tg:
-                    for i, source in sources.items():
-                        tg.start_soon(source.write, batch, names[i])
+                await _each([partial(s.write, batch, names[i]) for i, s in sources.items()])
         # The writes issued on a device end: a worker that exported a completion event
         # gets it recorded and waits for it at its commit (which goes at once); the
         # devices of the others are waited for here.
         with self._recorder.writing((), "direct", count):
-            async with anyio.create_task_group() as tg:
-                for source in sources.values():
-                    tg.start_soon(partial(source.flush, wait=False))
+            await _each([partial(s.flush, wait=False) for s in sources.values()])
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)

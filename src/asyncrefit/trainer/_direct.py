@@ -53,8 +53,12 @@ class DirectWriter:
 
     def _init_direct(self) -> None:
         self._attached: dict[str, OpenedDestinations] = {}
-        # (bucket index, workers) -> every place written, in write order.
-        self._targets: dict[tuple[int, tuple[str, ...]], list[Target]] = {}
+        # (bucket index, workers) -> every place written, in write order, and whether
+        # one ``_foreach_copy_`` writes them (see ``_one_call``).
+        self._targets: dict[tuple[int, tuple[str, ...]], tuple[list[Target], bool]] = {}
+        # The workers written on a GPU since the last flush whose completion event was
+        # not recorded after those writes (a flush then has something left to do).
+        self._unended: set[str] = set()
 
     # Provided by the source this is mixed into.
     def _read(self) -> Mapping[str, torch.Tensor]:
@@ -123,6 +127,7 @@ class DirectWriter:
             opened.close()
         self._attached.clear()
         self._targets.clear()
+        self._unended.clear()
 
     # --- writing -----------------------------------------------------------------------
 
@@ -130,8 +135,10 @@ class DirectWriter:
         """Write the tensors of ``buckets`` into each of ``workers``' places (attached
         first), in one hand-off to the source's thread.
 
-        Complete on return on the CPU; on a GPU, issued (see :meth:`flush`). A tensor
-        that cannot be written raises :class:`~asyncrefit.PackError` naming it.
+        Complete on return on the CPU; on a GPU, issued (see :meth:`flush`), and the
+        completion event of each worker that exported one recorded after them, from
+        the same thread: ``flush(wait=False)`` then needs no hand-off of its own. A
+        tensor that cannot be written raises :class:`~asyncrefit.PackError` naming it.
         """
         await anyio.to_thread.run_sync(
             self._write_all, tuple(buckets), tuple(workers), limiter=self._limiter
@@ -144,42 +151,73 @@ class DirectWriter:
         event gets it recorded after them (it waits for it at its commit), and only
         the devices of the others are waited for.
         """
+        if not wait and not self._unended:
+            return  # every write's completion event was recorded after it (or on the CPU)
         attached = [
             o for o in self._attached.values() if o.device is not None and o.device.type == "cuda"
         ]
         if attached:
             await anyio.to_thread.run_sync(_end_writes, attached, wait, limiter=self._limiter)
+        self._unended.clear()
 
     def _write_all(self, buckets: tuple[Bucket, ...], workers: tuple[str, ...]) -> None:
+        self._unended.update(workers)
         for bucket in buckets:
             self._write(bucket, workers)
+        with self._buffer_lock:
+            for worker in workers:
+                opened = self._attached.get(worker)
+                if opened is None:
+                    continue  # detached meanwhile: left to the flush
+                on_gpu = opened.device is not None and opened.device.type == "cuda"
+                if not on_gpu or opened.mark():
+                    self._unended.discard(worker)
 
     def _write(self, bucket: Bucket, workers: tuple[str, ...]) -> None:
         import torch
 
         with self._buffer_lock:
-            targets = self._targets.get((bucket.index, workers))
-            if targets is None:
-                targets = self._targets[(bucket.index, workers)] = self._places(bucket, workers)
-            tensors = self._read()
-            sources: list[torch.Tensor | Lazy] = []
-            for e in bucket.entries:
-                with self._packing(bucket.index, e):
-                    sources.append(rows_of(self._tensor(tensors, bucket.index, e), e.part))
+            key = (bucket.index, workers)
+            known = self._targets.get(key)
+            if known is None:
+                places = self._places(bucket, workers)
+                known = self._targets[key] = (places, _one_call(places))
+            targets, one_call = known
+            sources = self._sources(bucket, self._read())
             with torch.no_grad():
                 plain = [_block(sources[i], box) for _, i, box in targets]
-                if all(isinstance(t, torch.Tensor) for t in plain) and _one_call(targets):
+                if one_call and all(isinstance(t, torch.Tensor) for t in plain):
                     try:
                         torch._foreach_copy_([d for d, _, _ in targets], plain)  # type: ignore[arg-type]
                         return
                     except Exception:
                         pass  # one by one below: the failure then names its parameter
-                for (dst, i, box), source in zip(targets, plain, strict=True):
-                    e = bucket.entries[i]
-                    with self._packing(bucket.index, e):
+                entries, done = bucket.entries, 0
+                try:
+                    for (dst, i, box), source in zip(targets, plain, strict=True):
                         if box is not None and source is sources[i]:  # a block to cut
-                            source = self._materialized(sources[i], dst.device, e.name)[box]
-                        self._copy_into(dst, source, e.name)
+                            source = self._materialized(sources[i], dst.device, entries[i].name)
+                            source = source[box]
+                        self._copy_into(dst, source, entries[i].name)
+                        done += 1
+                except Exception:
+                    with self._packing(bucket.index, entries[targets[done][1]]):
+                        raise
+
+    def _sources(
+        self, bucket: Bucket, tensors: Mapping[str, torch.Tensor]
+    ) -> list[torch.Tensor | Lazy]:
+        """The trainer's tensor of every entry of ``bucket`` (rows, for a part), checked
+        (see ``_tensor``); a failure raises :class:`~asyncrefit.PackError` naming its
+        entry. No context per entry: every push does this for every tensor."""
+        sources: list[torch.Tensor | Lazy] = []
+        entries, index = bucket.entries, bucket.index
+        try:  # (extend keeps what came before a failure: its count names the entry)
+            sources.extend(rows_of(self._tensor(tensors, index, e), e.part) for e in entries)
+        except Exception:
+            with self._packing(index, entries[len(sources)]):
+                raise
+        return sources
 
     def _materialized(
         self, source: torch.Tensor | Lazy, device: torch.device, name: str
