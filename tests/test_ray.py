@@ -275,6 +275,33 @@ async def test_actors_with_shared_parameters_are_written_directly(pool: Pool) ->
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+async def test_an_actor_killed_with_shared_parameters_has_its_segment_swept(pool: Pool) -> None:
+    """An actor whose parameters live in a ``/dev/shm`` segment it created is killed
+    (``ray.kill``: no chance to unlink it): removing it from the coordinator finds it
+    dead, and a task on its node removes the segment; the others carry on."""
+    trainer = pool.trainers[0]
+    await trainer.configure.remote(None)
+    here = {"num_cpus": 0, "scheduling_strategy": on_node(pool.node)}
+    victim = ray.remote(InferenceActor).options(**here).remote(make_mlp, "cpu:0", True)
+    victim_pid = (await victim.info.remote())["pid"]
+    workers = await configure([victim, pool.actors[1]], ["cpu:0", "cpu:1"])
+    async with RefitCoordinator(
+        trainer=RayTrainerSource(trainer), workers=workers, budget_bytes=16 * KIB
+    ) as refit:
+        await trainer.step.remote(31)
+        report = await refit.push(1)
+        assert report.bytes_per_transport["direct"] == report.bytes  # the victim's
+        assert segments_of({victim_pid})  # its parameters
+        await anyio.to_thread.run_sync(ray.kill, victim)
+        with anyio.fail_after(60):
+            await refit.remove_worker("w0")
+        assert segments_of({victim_pid}) == []
+        await trainer.step.remote(32)
+        await refit.push(2)
+        await assert_hold(workers[1:], trainer, 2)
+
+
 def test_an_actor_without_the_mixin_is_refused(pool: Pool) -> None:
     with pytest.raises(TypeError, match=r"must inherit asyncrefit\.ray\.RefitWorkerMixin"):
         RayWorker(pool.trainers[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,7 +21,8 @@ from .._exceptions import (
 from .._wire._messages import AbortUpdate, BucketAck, CommitUpdate
 from .._worker._receiver import ParameterReceiver
 from ..transport.destinations import Destinations
-from ._cluster import current_node_id
+from ..transport.shm import segment_pid
+from ._cluster import current_node_id, sweep_node_segments
 from ._errors import worker_errors
 from ._order import BucketTurns
 from ._stream import StreamCall, driver_host, open_stream, serve_stream
@@ -47,6 +49,9 @@ WORKER_METHODS = (
     "refit_digests",
     "refit_stream",
 )
+
+
+logger = logging.getLogger(__name__)
 
 
 def check_async_methods(cls: type, names: Iterable[str]) -> None:
@@ -367,7 +372,12 @@ class RayWorker:
     answers a later abort only after it. On the stream, a load cancelled after it was
     sent leaves the stream usable: the actor still copies it, in order, and the abort
     that follows on the stream is answered only after that copy. The stream is closed
-    when its connection fails and at ``release_handles``.
+    when its connection fails and at ``release_handles``. An actor that exported its
+    parameters in a ``/dev/shm`` segment (``init_refit(shared_parameters=True)``) and
+    died without unlinking it (``ray.kill``, its process killed): ``release_handles``
+    (the coordinator's close, ``remove_worker``) finds it dead and has a zero-CPU task on
+    its node remove the segment once its process is gone, bounded by
+    ``sweep_timeout``.
 
     Error handling: the actor dying (``ray.kill``, its process killed, its node lost)
     raises :class:`~asyncrefit.WorkerDiedError` naming it, as soon as Ray reports it
@@ -384,14 +394,19 @@ class RayWorker:
         name: str | None = None,
         stream: bool = True,
         stream_host: str | None = None,
+        sweep_timeout: float = 10.0,
     ) -> None:
         check_actor_methods(actor, WORKER_METHODS, "asyncrefit.ray.RefitWorkerMixin")
         self._actor = actor
         self._name = name if name is not None else default_actor_name(actor)
         self._streaming = stream
         self._stream_host = stream_host
+        self._sweep_timeout = sweep_timeout
         self._stream: StreamCall | None = None
         self._pushing: int | None = None  # the version begun on the stream
+        # (node, pid) of the process whose /dev/shm segment holds the actor's exported
+        # parameters: what to sweep if it dies without unlinking it.
+        self._exported: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         mode = "stream" if self._streaming else "per-call"
@@ -454,6 +469,10 @@ class RayWorker:
         result = await self._call("refit_destinations")
         if result is not None and not isinstance(result, Destinations):
             raise self._wrong_type("refit_destinations", result, "Destinations or None")
+        if result is not None and result.kind == "shm":
+            pids = {segment_pid(r.segment) for r in result.regions}
+            if len(pids) == 1 and (pid := pids.pop()) is not None:
+                self._exported = (result.device.node, pid)
         return result
 
     async def _begin(self, version: int, *, direct: bool) -> None:
@@ -526,8 +545,33 @@ class RayWorker:
         return result
 
     async def release_handles(self) -> None:
+        """Close the stream and have the actor drop what it opened; an actor found dead
+        has its exported segment swept from its node (see the class), then the error
+        is raised."""
         await self._drop_stream("handles were released")
-        await self._call("refit_release_handles")
+        try:
+            await self._call("refit_release_handles")
+        except WorkerDiedError:
+            await self._sweep()
+            raise
+
+    async def _sweep(self) -> None:
+        if self._exported is None:
+            return  # it exported no segment through us
+        node, pid = self._exported
+        try:
+            with anyio.fail_after(self._sweep_timeout):
+                removed = await sweep_node_segments(
+                    node, pid=pid, wait_s=max(0.0, self._sweep_timeout - 2.0)
+                )
+        except Exception as exc:
+            logger.warning(
+                "could not sweep the segment of %s on node %s: %s", self._name, node, exc
+            )
+            return
+        self._exported = None
+        if removed:
+            logger.info("removed %d segments of %s", len(removed), self._name)
 
     async def parameter_digests(self) -> dict[str, str]:
         """A digest of each of the actor's parameters (diagnostics)."""

@@ -128,6 +128,12 @@ def segment_name(token: str, generation: int, index: int) -> str:
     return f"{PREFIX}-{os.getpid()}-{token}-{generation}-{index}"
 
 
+def segment_pid(name: str) -> int | None:
+    """The pid of the process that created segment ``name`` (``None``: not our form)."""
+    match = _NAME_RE.fullmatch(name)
+    return int(match.group(1)) if match is not None else None
+
+
 def _unlink(name: str) -> None:
     try:
         os.unlink(_path(name))
