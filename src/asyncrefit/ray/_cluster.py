@@ -8,6 +8,7 @@ the process is gone.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from functools import cache
@@ -19,6 +20,8 @@ from .._device import DeviceId
 from ..transport import shm
 
 _SWEEP_POLL = 0.05
+
+logger = logging.getLogger(__name__)
 
 
 def current_node_id() -> str:
@@ -105,6 +108,21 @@ async def sweep_node_segments(
     )
     removed = await task.remote(pid, wait_s)
     return [str(name) for name in removed]
+
+
+async def sweep_dead_process(name: str, node_id: str, pid: int, within: float) -> bool:
+    """Remove the segments of process ``pid`` (the actor called ``name``, found dead)
+    from node ``node_id``, within ``within`` seconds; failures are logged. Returns
+    whether the sweep ran."""
+    try:
+        with anyio.fail_after(within):
+            removed = await sweep_node_segments(node_id, pid=pid, wait_s=max(0.0, within - 2.0))
+    except Exception as exc:
+        logger.warning("could not sweep the segments of %s on node %s: %s", name, node_id, exc)
+        return False
+    if removed:
+        logger.info("removed %d segments of %s", len(removed), name)
+    return True
 
 
 async def sweep_cluster_segments() -> dict[str, list[str]]:

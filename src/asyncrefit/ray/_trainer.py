@@ -16,7 +16,7 @@ from .._protocols import SourceInfo
 from ..trainer._local import LocalTrainer, NamesLike, TensorsLike
 from ..trainer._local import _reader as reader
 from ..transport._base import Handle
-from ._cluster import current_node_id, sweep_node_segments
+from ._cluster import current_node_id, sweep_dead_process
 from ._errors import source_errors
 from ._group import GROUP_METHODS, GroupProbe, TrainerGroup, join, leave, probe
 from ._order import BucketTurns
@@ -403,16 +403,4 @@ class RayTrainerSource:
         if self._process is None:
             return  # never prepared: it created no segment through us
         node, pid = self._process
-        removed: list[str] = []
-        try:
-            with anyio.fail_after(self._sweep_timeout):
-                removed = await sweep_node_segments(
-                    node, pid=pid, wait_s=max(0.0, self._sweep_timeout - 2.0)
-                )
-        except Exception as exc:
-            logger.warning(
-                "could not sweep the segments of %s on node %s: %s", self._name, node, exc
-            )
-            return
-        if removed:
-            logger.info("removed %d segments of %s", len(removed), self._name)
+        await sweep_dead_process(self._name, node, pid, self._sweep_timeout)

@@ -22,7 +22,7 @@ from .._wire._messages import AbortUpdate, BucketAck, CommitUpdate
 from .._worker._receiver import ParameterReceiver
 from ..transport.destinations import Destinations
 from ..transport.shm import segment_pid
-from ._cluster import current_node_id, sweep_node_segments
+from ._cluster import current_node_id, sweep_dead_process
 from ._errors import worker_errors
 from ._order import BucketTurns
 from ._stream import StreamCall, driver_host, open_stream, serve_stream
@@ -559,19 +559,8 @@ class RayWorker:
         if self._exported is None:
             return  # it exported no segment through us
         node, pid = self._exported
-        try:
-            with anyio.fail_after(self._sweep_timeout):
-                removed = await sweep_node_segments(
-                    node, pid=pid, wait_s=max(0.0, self._sweep_timeout - 2.0)
-                )
-        except Exception as exc:
-            logger.warning(
-                "could not sweep the segment of %s on node %s: %s", self._name, node, exc
-            )
-            return
-        self._exported = None
-        if removed:
-            logger.info("removed %d segments of %s", len(removed), self._name)
+        if await sweep_dead_process(self._name, node, pid, self._sweep_timeout):
+            self._exported = None
 
     async def parameter_digests(self) -> dict[str, str]:
         """A digest of each of the actor's parameters (diagnostics)."""
