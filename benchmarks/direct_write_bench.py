@@ -24,6 +24,9 @@ A push is timed from outside the library: wall clock around ``await refit.push``
 after ``--warmup`` pushes; median and range of ``--repeats``. After each variant every
 worker's parameters are compared with the trainer's (checksums computed by the worker).
 ``--record`` appends the table to ``benchmarks/RESULTS.md``; ``--out`` writes JSON.
+``--timeline N``: after the timed pushes of each direct-write variant, ``N`` more under
+:class:`push_timeline.PushTimeline`, whose table (when each step of a push starts and
+ends, medians) is printed and kept in the JSON.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ from asyncrefit.tools._table import (
     table,
 )
 from asyncrefit.tools.bench import llama_specs, module_from_specs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from push_timeline import PushTimeline
 
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
 SECTION = "## Direct write into workers"
@@ -145,9 +151,11 @@ async def time_pushes(
     budget: int,
     warmup: int,
     repeats: int,
+    timeline: int = 0,
 ) -> dict[str, Any]:
     times = []
     stages: list[dict[str, float]] = []
+    traced = PushTimeline()
     async with RefitCoordinator(
         trainer=make_trainer(), workers=workers, budget_bytes=budget, timeout=600
     ) as refit:
@@ -158,6 +166,10 @@ async def time_pushes(
             if v > warmup:
                 times.append(time.perf_counter() - start)
                 stages.append(dataclasses.asdict(report.stages))
+        with traced:  # after the timed pushes: its wrappers are in none of them
+            for version in range(v + 1, v + 1 + timeline):
+                await anyio.to_thread.run_sync(fill, model, version)
+                await refit.push(version)
         want = checksums(list(model.parameters()))
         for w in workers:
             got = await w.forward(None)
@@ -171,6 +183,8 @@ async def time_pushes(
         "peak_budget_bytes": report.peak_budget_bytes,
         "transports": report.bytes_per_transport,
         "buckets": report.buckets,
+        "timeline": traced.summary() if timeline else [],
+        "timeline_table": traced.table() if timeline else "",
     }
 
 
@@ -216,13 +230,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         return LocalTrainer(model)
 
                 result = await time_pushes(
-                    model, workers, trainer, 2 * bucket, args.warmup, args.repeats
+                    model,
+                    workers,
+                    trainer,
+                    2 * bucket,
+                    args.warmup,
+                    args.repeats,
+                    args.timeline if shared else 0,
                 )
             result["consumers"] = n
             rows[f"{n}: {name}"] = result
             ms = statistics.median(result["seconds"]) * 1e3
             parts = " ".join(f"{k} {v * 1e3:.2f}" for k, v in result["stages"].items())
             print(f"   {name}: {ms:.2f} ms ({parts})", file=sys.stderr)
+            if result["timeline_table"]:
+                print(result["timeline_table"], file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(gpu=cuda),
@@ -286,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bucket-mib", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--timeline", type=int, default=0, help="traced direct pushes after the timed ones"
+    )
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--record", action="store_true", help=f"append to {RESULTS.name}")
     args = parser.parse_args(argv)

@@ -80,6 +80,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from push_timeline import PushTimeline
+
 MIB = 2**20
 GIB = 2**30
 RESULTS = Path(__file__).resolve().with_name("RESULTS.md")
@@ -378,6 +381,7 @@ async def asyncrefit_row(
     warmup: int,
     repeats: int,
     vocab: int,
+    timeline: int = 0,
 ) -> dict[str, Any]:
     from asyncrefit import LocalTrainer, RefitCoordinator
     from asyncrefit.planning import plan_buckets
@@ -412,8 +416,15 @@ async def asyncrefit_row(
             reports.append(await refit.push(version))
 
         times, extra = await timed_async(push, model, warmup, repeats)
-    report = reports[-1]
-    timed = [dataclasses.asdict(r.stages) for r in reports[-repeats - 1 : -1]]
+        report = reports[-1]
+        timed = [dataclasses.asdict(r.stages) for r in reports[-repeats - 1 : -1]]
+        traced = PushTimeline()
+        with traced:  # after the timed refits: its wrappers are in none of them
+            for version in range(report.version + 1, report.version + 1 + timeline):
+                perturb(model, version)
+                await push(version)
+    if timeline:
+        say(traced.table(title=f"{name} timeline"))
     return summary(
         name,
         times,
@@ -425,6 +436,7 @@ async def asyncrefit_row(
         bytes=report.bytes,
         transports=sorted(report.bytes_per_transport),
         stages_ms={k: statistics.median(t[k] for t in timed) * 1e3 for k in timed[0]},
+        timeline=traced.summary() if timeline else [],
     )
 
 
@@ -681,6 +693,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         warmup=args.warmup,
                         repeats=args.repeats,
                         vocab=vocab,
+                        timeline=args.timeline if direct else 0,
                     )
                     run_row(rows, name, functools.partial(anyio.run, call, backend="asyncio"))
         except Exception as exc:
@@ -836,6 +849,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-vllm-ipc", action="store_true", help="no vLLM IPC rows")
     parser.add_argument(
         "--workdir", default=None, help="where to write the checkpoint (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        help="traced direct refits after the timed ones (benchmarks/push_timeline.py)",
     )
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--record", action="store_true", help=f"append the table to {RESULTS.name}")
