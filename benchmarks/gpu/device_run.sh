@@ -55,8 +55,8 @@ elif [ "$step" = local ]; then
   timeout 200 python3 -m pytest -m gpu -p no:cacheprovider --timeout 150 -v \
     tests/test_direct.py 2>&1 | tee "$out/gpu_direct_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
   timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/direct_write_bench.py --device cuda \
-    --consumers 1 2 4 --repeats 5 --out "$out/direct_write_bench.json" 2>&1 \
-    | tee "$out/direct_write_bench.log" | tail -30
+    --consumers 1 2 4 --repeats 5 --timeline 10 --out "$out/direct_write_bench.json" 2>&1 \
+    | tee "$out/direct_write_bench.log" | tail -75
 elif [ "$step" = install ]; then
   timeout 520 python3 -m pytest -m gpu -p no:cacheprovider --timeout 240 -v -s -k "${TESTS:-not moe}" \
     tests/test_vllm_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|push|free GPU|passed|failed" | tail -40
@@ -65,6 +65,6 @@ else
     timeout 200 python3 -m pytest -m gpu -p no:cacheprovider --timeout 180 -v -s -k moe \
       tests/test_vllm_gpu.py 2>&1 | tee "$out/gpu_moe.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
   fi
-  timeout ${BENCH_TIMEOUT:-380} python3 benchmarks/vllm_gpu_bench.py --repeats 5 \
-    --out "$out/vllm_gpu_bench.json" 2>&1 | tee "$out/vllm_gpu_bench.log" | tail -30
+  timeout ${BENCH_TIMEOUT:-380} python3 benchmarks/vllm_gpu_bench.py --repeats 5 --timeline 10 \
+    --out "$out/vllm_gpu_bench.json" 2>&1 | tee "$out/vllm_gpu_bench.log" | tail -75
 fi
