@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -39,6 +40,7 @@ from asyncrefit.ray import (  # noqa: E402
     AwaitableReturnedError,
     RayTrainerSource,
     RayWorker,
+    RefitTrainerMixin,
     RefitWorkerMixin,
     SourceDiedError,
     as_source,
@@ -587,3 +589,66 @@ async def test_loads_are_taken_in_bucket_order_whatever_order_they_arrive_in() -
     finally:
         await worker.refit_release_handles()
         await trainer.aclose()
+
+
+# --- the trainer's description, once per change (no cluster needed) ---------------------
+
+
+class _PlainTrainer(RefitTrainerMixin):
+    """The mixin on a plain object (its node named: no cluster to ask)."""
+
+    def __init__(self) -> None:
+        self.model = make_mlp()
+        self.init_refit_source(self.model, node="node-0")
+
+
+class _InProcessHandle:
+    """An actor handle whose ``method.remote(...)`` is the call itself, awaited here (as
+    a Ray handle's result is): the source's calls and their replies are seen."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        self.replies: list[Any] = []
+
+    def __getattr__(self, method: str) -> Any:
+        call = getattr(self._actor, method)
+        replies = self.replies
+
+        class Method:
+            @staticmethod
+            async def remote(*args: Any) -> Any:
+                reply = await call(*args)
+                replies.append(reply)
+                return reply
+
+        return Method
+
+
+async def test_an_unchanged_description_is_sent_once() -> None:
+    """The actor sends its description when it changed, else only its token; the
+    source answers the same object then (the coordinator's plan stays current by
+    identity), and a new parameter shape is described and sent again."""
+    trainer = _PlainTrainer()
+    handle = _InProcessHandle(trainer)
+    source = RayTrainerSource(handle, name="trainer")
+    try:
+        first = await source.describe()
+        assert first.name == "trainer" and handle.replies[-1][1] is not None
+        for _ in range(3):
+            assert await source.describe() is first
+            assert handle.replies[-1][1] is None  # the token alone came back
+        # another source of the same actor holds no token: it is sent the description
+        other = RayTrainerSource(handle, name="other")
+        assert (await other.describe()).name == "other"
+        assert handle.replies[-1][1] is not None
+        assert await source.describe() is first  # the first one's token still holds
+        # a parameter replaced by one of another shape: described anew, and sent
+        first_layer: Any = trainer.model.get_submodule("0")
+        first_layer.weight = torch.nn.Parameter(torch.zeros(128, 64))
+        changed = await source.describe()
+        assert changed is not first and handle.replies[-1][1] is not None
+        specs = {s.name: s.shape for s in changed.specs}
+        assert specs["0.weight"] == (128, 64)
+        assert await source.describe() is changed
+    finally:
+        await trainer.refit_source.aclose()

@@ -110,6 +110,9 @@ class RefitTrainerMixin:
     _refit_source_: LocalTrainer | None = None
     _refit_exports_: BucketTurns | None = None
     _refit_in_group_: bool = False
+    # The last description sent, and the token the driver names it by (see
+    # refit_source_describe): unchanged, it is not sent again.
+    _refit_described_: tuple[bytes, SourceInfo] | None = None
     _refit_trainer_methods: ClassVar[tuple[str, ...]] = TRAINER_METHODS + GROUP_METHODS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -201,11 +204,26 @@ class RefitTrainerMixin:
             self._refit_exports_ = BucketTurns("an export")
         return self._refit_exports_
 
-    async def refit_source_describe(self) -> SourceInfo:
-        """Describe the source; the start of a push: its exports begin at bucket 0."""
+    async def refit_source_describe(
+        self, known: bytes | None = None
+    ) -> tuple[bytes, SourceInfo | None]:
+        """Describe the source; the start of a push: its exports begin at bucket 0.
+
+        Returns ``(token, info)``; when the source answered the very description it
+        answered last time (a :class:`LocalTrainer` does while no name, shape or dtype
+        changed) and the caller holds it (``known`` is its token), ``info`` is left out
+        (``(known, None)``): the driver reuses its copy, and nothing is pickled.
+        """
         source = self.refit_source
         await self._refit_export_order().restart()
-        return await source.describe()
+        info = await source.describe()
+        last = self._refit_described_
+        if last is not None and last[1] is info:
+            if known == last[0]:
+                return last[0], None
+            return last
+        self._refit_described_ = (os.urandom(8), info)
+        return self._refit_described_
 
     async def refit_source_prepare(
         self, plan: Plan, slots: int, slot_bytes: int, checksum: bool = False
@@ -306,6 +324,8 @@ class RayTrainerSource:
         self._sweep_timeout = sweep_timeout
         self._process: tuple[str, int] | None = None
         self._on_device: set[str] = set()  # workers written directly on a GPU
+        # The actor's last description (renamed) and its token: see describe.
+        self._described: tuple[bytes, SourceInfo] | None = None
 
     def __repr__(self) -> str:
         return f"<RayTrainerSource {self._name!r} {self._actor!r}>"
@@ -329,14 +349,22 @@ class RayTrainerSource:
         return result
 
     async def describe(self) -> SourceInfo:
-        info = await self._call("refit_source_describe")
-        if not isinstance(info, SourceInfo):
-            raise SourceRemoteError(
-                self._name,
-                "TypeError",
-                f"refit_source_describe returned {type(info).__name__}, not a SourceInfo",
-            )
-        return dataclasses.replace(info, name=self._name)
+        """The actor's description, renamed. While it is unchanged (the actor says so
+        by the token of the last one) it is not sent again, and the same object is
+        returned: the coordinator finds its plan current by identity."""
+        last = self._described
+        reply = await self._call("refit_source_describe", None if last is None else last[0])
+        match reply:
+            case (bytes() as token, None) if last is not None and token == last[0]:
+                return last[1]
+            case (bytes() as token, SourceInfo() as info):
+                self._described = (token, dataclasses.replace(info, name=self._name))
+                return self._described[1]
+        raise SourceRemoteError(
+            self._name,
+            "TypeError",
+            f"refit_source_describe returned {type(reply).__name__}, not (token, SourceInfo)",
+        )
 
     async def prepare(
         self, plan: Plan, slots: int, slot_bytes: int, *, checksum: bool = False
