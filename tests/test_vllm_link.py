@@ -656,10 +656,11 @@ async def test_a_direct_commit_refused_at_one_rank_is_aborted_on_the_control_cha
         await workers[0].abort_update(1)  # as the coordinator does
         assert [w.controlled[-1] for w in engine.workers] == ["AbortUpdate", "AbortUpdate"]
         # vLLM's update was never open: nothing to finish; bytes were written (the
-        # reset that ran with the commit is made again before resuming)
+        # reset and the label that ran with the commit are made again before resuming)
         assert after(engine.calls, "pause") == [
             "pause",
             "reset",
+            "label:1",
             "label:incomplete-1",
             "reset",
             "resume",
@@ -684,6 +685,24 @@ async def test_a_reset_failed_during_a_direct_commit_fails_it_and_the_abort_rese
         await workers[0].abort_update(1)  # as the coordinator does
         assert after(engine.calls, "label:1") == ["label:1", "reset", "resume"]
         assert engine.stale_resumes == 0 and not engine.paused and engine.label == "1"
+
+
+async def test_a_label_failed_during_a_direct_commit_fails_it_and_the_abort_relabels() -> None:
+    """The label runs with the ranks' commit (generation paused): if it fails, the push
+    fails, and no generation resumes before the abort labels the engine incomplete."""
+    async with engine_link(world=2) as (engine, workers):
+        await begin_direct(workers, 1)
+        engine.fail["label:1"] = 1
+        with pytest.raises(ExceptionGroup) as info:
+            await each(workers, lambda w: w.commit_update(1, 3))
+        assert any("labelling it failed" in str(e) for e in info.value.exceptions)
+        assert [w.controlled[-1] for w in engine.workers] == ["CommitUpdate"] * 2
+        assert engine.paused and "resume" not in after(engine.calls, "pause")
+        await workers[0].abort_update(1)  # as the coordinator does
+        relabelled = ["label:1", "label:incomplete-1", "reset", "resume"]
+        assert after(engine.calls, "label:1") == relabelled
+        assert engine.stale_resumes == 0 and not engine.paused
+        assert engine.label == "incomplete-1"
 
 
 async def test_a_direct_begin_refused_ends_with_an_abort_and_resumes() -> None:

@@ -516,39 +516,42 @@ class _EngineLink:
     ) -> dict[int, Reply]:
         """Commit a direct version: each rank's control thread waits for the trainer's
         writes, commits and ends its update (a rank ends it only if it committed), with
-        no engine RPC; the engine's cache reset runs meanwhile; then the label and the
+        no engine RPC; the engine's cache reset and its label run meanwhile; then the
         resume.
 
         The commit is asked as the session's finish, so a failure from here on labels
-        the engine incomplete. The reset may run with the ranks: generation is paused
-        and every write was issued before the commit, so no block is computed until
-        generation resumes, and a reset now leaves none made with older weights (if the
-        commit fails, the abort's resume resets again). A step that fails leaves it
+        the engine incomplete. The reset and the label may run with the ranks:
+        generation is paused and every write was issued before the commit, so no block
+        is computed and no output labelled until generation resumes, and a reset now
+        leaves none made with older weights. If a rank refuses, or the label or the
+        reset fails, the push fails and its abort labels the engine
+        ``incomplete-<version>`` and resets again before resuming: while paused, the
+        label may read ``version`` a moment before that. A step that fails leaves it
         asked for, as in :meth:`commit`.
         """
         finish, reset, resume = self._session.commit(version)
         self._session.asking(finish)
-        reset_failed: list[Exception] = []
+        failed: dict[str, Exception] = {}
 
-        async def reset_cache() -> None:
+        async def engine_step(what: str, call: Callable[[], Awaitable[None]]) -> None:
             try:
-                await self._call(reset)
+                await call()
             except Exception as exc:
-                reset_failed.append(exc)
+                failed[what] = exc
 
+        label = functools.partial(self._ops.set_label, str(version))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(reset_cache)
+            tg.start_soon(engine_step, reset.what, functools.partial(self._call, reset))
+            tg.start_soon(engine_step, "labelling it", label)
             replies = await self._channels.control(requests)
         if (refused := _all_or_nothing(replies)) is not None:
             return refused
-        try:
-            await self._ops.set_label(str(version))  # the finish's label
-        except Exception as exc:
-            raise self._failed_after_commit(version, "labelling it", exc) from exc
+        if (unlabelled := failed.get("labelling it")) is not None:
+            raise self._failed_after_commit(version, "labelling it", unlabelled) from unlabelled
         self._session.done(finish)
         self._session.asking(reset)  # it ran while the ranks committed
-        for failure in reset_failed:
-            raise self._failed_after_commit(version, reset.what, failure) from failure
+        if (unreset := failed.get(reset.what)) is not None:
+            raise self._failed_after_commit(version, reset.what, unreset) from unreset
         self._session.done(reset)
         self._session.asking(resume)
         try:
