@@ -229,3 +229,31 @@ async def test_fp8_push_into_worker_processes_written_directly_or_staged(shared:
             want |= {"0.weight": tensor_digest(q), "0.weight_scale_inv": tensor_digest(s)}
             for worker in workers:
                 assert await worker.parameter_digests() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on a GPU machine)"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
+def test_block_quantization_on_a_gpu_gives_the_cpus_bytes(
+    shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """On a GPU (the kernels a trainer runs there: its multiply stores into the fp8
+    output), the bytes and scales of the CPU, which are vLLM's (tested above)."""
+    gen = torch.Generator().manual_seed(shape[0] * 5 + shape[1])
+    weight = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
+    weight[0, 0] = 448.0 * 3  # one block's amax far above the rest
+    if shape[0] > 1:
+        weight[-1, :] = 0.0
+    want_q, want_s = fp8_block_quantize(weight)
+    q, s = fp8_block_quantize(weight.cuda())
+    assert q.device.type == "cuda" and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s.cpu(), want_s)
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+    q2, s2 = fp8_block_quantize(weight.cuda(), out=out)
+    assert q2.data_ptr() == out.data_ptr()
+    assert torch.equal(q2.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s2.cpu(), want_s)

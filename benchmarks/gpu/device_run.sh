@@ -53,7 +53,7 @@ elif [ "$step" = fp8 ]; then
     --out "$out/fp8_bench.json" 2>&1 | tee "$out/fp8_bench.log" | tail -12
 elif [ "$step" = local ]; then
   timeout 200 python3 -m pytest -m gpu -p no:cacheprovider --timeout 150 -v \
-    tests/test_direct.py 2>&1 | tee "$out/gpu_direct_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
+    tests/test_direct.py tests/test_quantization.py 2>&1 | tee "$out/gpu_direct_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" | tail -20
   timeout ${BENCH_TIMEOUT:-360} python3 benchmarks/direct_write_bench.py --device cuda \
     --consumers 1 2 4 --repeats 5 --timeline 10 --out "$out/direct_write_bench.json" 2>&1 \
     | tee "$out/direct_write_bench.log" | tail -75
