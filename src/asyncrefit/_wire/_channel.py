@@ -105,6 +105,11 @@ class FrameChannel:
                 raise anyio.BrokenResourceError from exc
             if not chunk:
                 raise anyio.EndOfStream
+            if not self._buffer and len(chunk) > HEADER:
+                # Mostly one whole frame came (a reply, a request): no buffering.
+                size = int.from_bytes(chunk[:HEADER], "big")
+                if len(chunk) == HEADER + size:
+                    return chunk[HEADER:]
             self._buffer += chunk
 
     async def send(self, payload: bytes, *, within: float) -> None:

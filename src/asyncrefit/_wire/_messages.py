@@ -1,7 +1,8 @@
 """The codec and the vocabulary: what a coordinator and its peers say to each other.
 
-Owns :func:`encode` / :func:`decode` (pickle protocol 5: local, trusted peers only)
-and the messages. Every message is a frozen, slotted, keyword-only dataclass.
+Owns :func:`encode` / :func:`decode` (pickle protocol 5: local, trusted peers only;
+the few messages every push sends go in a compact form of the codec's own, see
+:func:`encode`) and the messages. Every message is a frozen, slotted, keyword-only dataclass.
 Requests and replies each form one union, dispatched with ``match``. Handles are
 transport records (see :mod:`asyncrefit.transport`): small, and never tensors or
 coroutines. A peer's first frame on a connection is a :class:`Hello`; a request that
@@ -13,6 +14,8 @@ the ranks (:mod:`asyncrefit.trainer._rank`) and travel with this codec.
 from __future__ import annotations
 
 import pickle
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
@@ -270,13 +273,166 @@ Reply: TypeAlias = (
 )
 
 
+# --- the codec -----------------------------------------------------------------------
+#
+# A frame's payload is a pickle (protocol 5: its first byte is 0x80), except for the
+# few messages every push sends to every worker: ``(request id, message)`` of one of the
+# kinds below goes as a tag byte (never the first byte of a pickle) and the message's
+# fields at a fixed width. Pickling a dataclass looks its class up by name at both ends
+# and walks its fields: several times the cost of packing these few bytes. A message
+# whose fields do not fit (an int beyond 64 bits, a field of another type than its
+# annotation's) goes as a pickle. The compact form is this module's own: both ends
+# decode with :func:`decode`, which rebuilds the very message.
+
+_ID = struct.Struct("<Bq")  # tag, request id
+_ID_INT = struct.Struct("<Bqq")  # tag, request id, an int
+_ID_INT_BOOL = struct.Struct("<Bqq?")
+_ID_INT_INT = struct.Struct("<Bqqq")
+_ID_ACK = struct.Struct("<Bqqqd")  # tag, request id, bucket, nbytes, seconds; copied follows
+
+_DONE, _BEGIN, _COMMIT, _ABORT, _GET_VERSION, _VERSION, _NO_VERSION, _ACK = range(1, 9)
+
+
+def _encode_done(request_id: int, message: Done) -> bytes | None:
+    return _ID.pack(_DONE, request_id)
+
+
+def _encode_begin(request_id: int, message: BeginUpdate) -> bytes | None:
+    version, direct = message.version, message.direct
+    if type(version) is int and type(direct) is bool:
+        return _ID_INT_BOOL.pack(_BEGIN, request_id, version, direct)
+    return None
+
+
+def _encode_commit(request_id: int, message: CommitUpdate) -> bytes | None:
+    version, buckets = message.version, message.buckets
+    if type(version) is int and type(buckets) is int:
+        return _ID_INT_INT.pack(_COMMIT, request_id, version, buckets)
+    return None
+
+
+def _encode_abort(request_id: int, message: AbortUpdate) -> bytes | None:
+    if type(message.version) is int:
+        return _ID_INT.pack(_ABORT, request_id, message.version)
+    return None
+
+
+def _encode_get_version(request_id: int, message: GetVersion) -> bytes | None:
+    return _ID.pack(_GET_VERSION, request_id)
+
+
+def _encode_version(request_id: int, message: VersionReply) -> bytes | None:
+    version = message.version
+    if version is None:
+        return _ID.pack(_NO_VERSION, request_id)
+    if type(version) is int:
+        return _ID_INT.pack(_VERSION, request_id, version)
+    return None
+
+
+def _encode_ack(request_id: int, message: BucketAck) -> bytes | None:
+    bucket, nbytes, seconds = message.bucket, message.nbytes, message.seconds
+    copied = message.copied
+    if (
+        type(bucket) is int
+        and type(nbytes) is int
+        and type(seconds) is float
+        and type(copied) is bytes
+    ):
+        return _ID_ACK.pack(_ACK, request_id, bucket, nbytes, seconds) + copied
+    return None
+
+
+_ENCODERS: dict[type, Callable[[int, Any], bytes | None]] = {
+    Done: _encode_done,
+    BeginUpdate: _encode_begin,
+    CommitUpdate: _encode_commit,
+    AbortUpdate: _encode_abort,
+    GetVersion: _encode_get_version,
+    VersionReply: _encode_version,
+    BucketAck: _encode_ack,
+}
+
+
+def _decode_done(data: bytes) -> tuple[int, Any]:
+    return _ID.unpack(data)[1], Done()
+
+
+def _decode_begin(data: bytes) -> tuple[int, Any]:
+    _, request_id, version, direct = _ID_INT_BOOL.unpack(data)
+    return request_id, BeginUpdate(version=version, direct=direct)
+
+
+def _decode_commit(data: bytes) -> tuple[int, Any]:
+    _, request_id, version, buckets = _ID_INT_INT.unpack(data)
+    return request_id, CommitUpdate(version=version, buckets=buckets)
+
+
+def _decode_abort(data: bytes) -> tuple[int, Any]:
+    _, request_id, version = _ID_INT.unpack(data)
+    return request_id, AbortUpdate(version=version)
+
+
+def _decode_get_version(data: bytes) -> tuple[int, Any]:
+    return _ID.unpack(data)[1], GetVersion()
+
+
+def _decode_version(data: bytes) -> tuple[int, Any]:
+    _, request_id, version = _ID_INT.unpack(data)
+    return request_id, VersionReply(version=version)
+
+
+def _decode_no_version(data: bytes) -> tuple[int, Any]:
+    return _ID.unpack(data)[1], VersionReply(version=None)
+
+
+def _decode_ack(data: bytes) -> tuple[int, Any]:
+    _, request_id, bucket, nbytes, seconds = _ID_ACK.unpack_from(data)
+    copied = bytes(data[_ID_ACK.size :])
+    return request_id, BucketAck(bucket=bucket, nbytes=nbytes, seconds=seconds, copied=copied)
+
+
+_DECODERS: dict[int, Callable[[bytes], tuple[int, Any]]] = {
+    _DONE: _decode_done,
+    _BEGIN: _decode_begin,
+    _COMMIT: _decode_commit,
+    _ABORT: _decode_abort,
+    _GET_VERSION: _decode_get_version,
+    _VERSION: _decode_version,
+    _NO_VERSION: _decode_no_version,
+    _ACK: _decode_ack,
+}
+
+
 def encode(message: object) -> bytes:
-    """Serialize a message (pickle protocol 5: local, trusted peers only)."""
+    """Serialize a message (pickle protocol 5: local, trusted peers only).
+
+    ``(request id, message)`` of the kinds a push sends to every worker (begin, commit,
+    abort, their ``Done``, a bucket's ack, the version asked and told) goes in a
+    compact form instead, which only :func:`decode` reads.
+    """
+    if type(message) is tuple and len(message) == 2:
+        request_id, body = message
+        fast = _ENCODERS.get(type(body))
+        if fast is not None and type(request_id) is int:
+            try:
+                data = fast(request_id, body)
+            except struct.error:  # an int beyond 64 bits
+                data = None
+            if data is not None:
+                return data
     return pickle.dumps(message, protocol=5)
 
 
 def decode(data: bytes) -> Any:
     """The inverse of :func:`encode`."""
+    if data:
+        fast = _DECODERS.get(data[0])
+        if fast is not None:
+            try:
+                return fast(data)
+            except struct.error as exc:
+                raise pickle.UnpicklingError(f"a malformed frame: {exc}") from None
     return pickle.loads(data)
 
 

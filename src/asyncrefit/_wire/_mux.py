@@ -68,10 +68,13 @@ class RequestChannel:
         self._send_lock = anyio.Lock(fast_acquire=True)
         self._refs = RefEncoder()
         self._next_id = 0
-        self._waiting: set[int] = set()
+        # Every request whose caller still waits, by id, in the order they were made,
+        # with the event it sleeps on while another caller reads (``None``: it is not
+        # asleep). An event is made only for a caller that has to sleep: with one
+        # request at a time its caller reads its own reply, and no event is made.
+        self._waiting: dict[int, anyio.Event | None] = {}
         self._replies: dict[int, Any] = {}
         self._reading = False
-        self._wake = anyio.Event()
         self._failed: BaseException | None = None
 
     def __repr__(self) -> str:
@@ -83,15 +86,23 @@ class RequestChannel:
         """The failure that ended the channel, or ``None`` while it works."""
         return self._failed
 
-    def _notify(self) -> None:
-        self._wake.set()
-        self._wake = anyio.Event()
-
     def _fail(self, exc: BaseException) -> ChannelFailedError:
         if self._failed is None:
             self._failed = exc
-        self._notify()
+        for event in self._waiting.values():
+            if event is not None:
+                event.set()
         return ChannelFailedError(self._failed)
+
+    def _hand_over(self) -> None:
+        """No one reads: wake the first sleeping caller still without its reply (it
+        reads next). One woken already counts: it runs and reads, or, finding its
+        reply, hands over in its turn; a caller not asleep reads when it gets there."""
+        replies = self._replies
+        for request_id, event in self._waiting.items():
+            if event is not None and request_id not in replies:
+                event.set()
+                return
 
     async def request(self, request: Any) -> Any:
         """Send ``request`` and return the peer's reply to it."""
@@ -99,7 +110,8 @@ class RequestChannel:
             raise ChannelFailedError(self._failed)
         self._next_id += 1
         request_id = self._next_id
-        self._waiting.add(request_id)
+        waiting = self._waiting
+        waiting[request_id] = None
         try:
             async with self._send_lock:
                 if self._failed is not None:
@@ -112,33 +124,45 @@ class RequestChannel:
                     raise self._fail(exc) from None
             return await self._reply(request_id)
         finally:
-            self._waiting.discard(request_id)
-            self._replies.pop(request_id, None)
+            del waiting[request_id]
+            if self._replies:
+                self._replies.pop(request_id, None)
+            if waiting and not self._reading:
+                self._hand_over()  # this caller read, or was woken to: the next one does
 
     async def _reply(self, request_id: int) -> Any:
+        replies = self._replies
+        waiting = self._waiting
         while True:
-            if request_id in self._replies:
-                return self._replies.pop(request_id)
+            if request_id in replies:
+                return replies.pop(request_id)
             if self._failed is not None:
                 raise ChannelFailedError(self._failed)
             if self._reading:
-                wake = self._wake
-                await wake.wait()
+                event = waiting[request_id] = anyio.Event()
+                try:
+                    await event.wait()
+                finally:
+                    waiting[request_id] = None
                 continue
             self._reading = True
             try:
-                while request_id not in self._replies:
+                receive = self._channel.receive
+                while True:
                     try:
-                        got_id, reply = decode(await self._channel.receive())
+                        got_id, reply = decode(await receive())
                     except CHANNEL_ERRORS as exc:
                         raise self._fail(exc) from None
-                    if got_id in self._waiting:
-                        self._replies[got_id] = reply
-                        self._notify()
+                    if got_id == request_id:
+                        return reply
+                    if got_id in waiting:
+                        replies[got_id] = reply
+                        sleeper = waiting[got_id]
+                        if sleeper is not None:
+                            sleeper.set()
                     # else: the reply to a request whose caller was cancelled: dropped
             finally:
                 self._reading = False
-                self._notify()  # someone else still waiting takes over reading
 
     async def aclose(self) -> None:
         """Close the channel: waiting callers get :class:`ChannelFailedError`."""
