@@ -36,6 +36,7 @@ class Faults:
     read_late: float = 0.0
     bad_device: DeviceId | None = None
     fail_at_commit: bool = False  # raise RuntimeError from commit_update
+    hang_at_commit: bool = False  # never answer commit_update
 
 
 @dataclass
@@ -139,6 +140,8 @@ class FakeWorker:
         self.calls.append(("commit", version))
         if self.faults.fail_at_commit:
             raise RuntimeError("injected failure at commit")
+        if self.faults.hang_at_commit:
+            await anyio.sleep_forever()
         self.receiver.commit(version, buckets)
 
     async def abort_update(self, version: int) -> None:

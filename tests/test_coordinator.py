@@ -249,6 +249,35 @@ async def test_worker_failure_mid_push(fault: Faults, cause: type[Exception]) ->
         assert workers[0].equals(model) and workers[2].equals(model)
 
 
+@pytest.mark.parametrize("at", ["begin_update", "commit_update"])
+async def test_one_deadline_for_the_begins_or_commits_names_the_worker_that_hung(at: str) -> None:
+    # The begins (and the commits) of a push share one deadline: the worker without an
+    # answer at it is named, the push fails once, after about one timeout.
+    model = make_mlp()
+    workers = fakes(model, 3)
+    async with RefitCoordinator(
+        trainer=model, workers=workers, budget_bytes=64 * KIB, timeout=0.3, cleanup_timeout=0.3
+    ) as refit:
+        await refit.push(1)
+        if at == "begin_update":
+            workers[1].hung = True
+        else:
+            workers[1].faults = Faults(hang_at_commit=True)
+        start = anyio.current_time()
+        with pytest.raises(PushError) as info:
+            await refit.push(2)
+        took = anyio.current_time() - start
+    cause = info.value.cause
+    assert isinstance(cause, WorkerTimeoutError)
+    assert cause.worker == info.value.failed == "w1"
+    assert f"{at} got no answer within 0.3 s" in str(cause)
+    assert "w1" in info.value.incomplete
+    assert took < 3.0  # one timeout and the abort's bound, not one per worker
+    # The others answered: at a begin, they were told to abort; at a commit, they committed.
+    ended = ("abort", 2) if at == "begin_update" else ("commit", 2)
+    assert ended in workers[0].calls and ended in workers[2].calls
+
+
 async def test_hung_worker_times_out_and_its_slot_is_held_until_it_is_gone() -> None:
     model = make_mlp()
     workers = fakes(model, 2, w1=Faults(hang_at_bucket=0))

@@ -271,7 +271,7 @@ class Push:
         else:
             await self._transfer_staged()
         with self._recorder.committing():
-            await _each([partial(self._commit, member) for member in self.members])
+            await self._each_member(self.members, self._commit, lambda _: "commit_update")
 
     async def _transfer_staged(self) -> None:
         # The begins overlap the first bucket's pack; no bucket is sent before every
@@ -292,17 +292,24 @@ class Push:
     async def _begin_all(self) -> None:
         self._touched.update(self.members)  # an abort must reach every one of them
         with self._recorder.beginning(self.topology):
-            await _each([partial(self._begin, member) for member in self.members])
+            await self._each_member(self.members, self._begin, self._begin_call)
         self._begun.set()
+
+    def _begin_call(self, member: Member) -> str:
+        return "begin_direct" if member in self.topology.direct else "begin_update"
 
     async def _begin(self, member: Member) -> None:
         version, worker = self.version, member.worker
         if member in self.topology.direct:
             # checked when it was attached (no protocol check per push)
             direct = cast("DirectWorker", worker)
-            await self._call(member, "begin_direct", lambda: direct.begin_direct(version))
+            await self._call(
+                member, "begin_direct", lambda: direct.begin_direct(version), timed=False
+            )
         else:
-            await self._call(member, "begin_update", lambda: worker.begin_update(version))
+            await self._call(
+                member, "begin_update", lambda: worker.begin_update(version), timed=False
+            )
 
     async def _write_direct(self) -> None:
         """Have each source write every bucket into its direct members, in plan order,
@@ -335,7 +342,9 @@ class Push:
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)
-        await self._call(member, "commit_update", lambda: worker.commit_update(version, buckets))
+        await self._call(
+            member, "commit_update", lambda: worker.commit_update(version, buckets), timed=False
+        )
         self._committed.add(member)
         self._ledger.committed(member, version)
 
@@ -525,6 +534,33 @@ class Push:
         self._settled(member)  # confirmed: it reads no slot any more
 
     # --- helpers ----------------------------------------------------------------------
+
+    async def _each_member(
+        self,
+        members: Sequence[Member],
+        step: Callable[[Member], Awaitable[None]],
+        call: Callable[[Member], str],
+    ) -> None:
+        """Run ``step`` for every one of ``members`` at once, all under one deadline.
+
+        The calls start together, so one deadline ``timeout`` seconds from now bounds
+        each of them as a deadline of its own would, for one timer rather than one per
+        worker (a begin and a commit per worker per push). A member still without its
+        answer then is named by :class:`WorkerTimeoutError` (the first of them in
+        ``members``; the others are cancelled, as a failure cancels them).
+        """
+        within = self._options.timeout
+        answered: set[Member] = set()
+
+        async def one(member: Member) -> None:
+            await step(member)
+            answered.add(member)
+
+        with anyio.move_on_after(within) as scope:
+            await _each([partial(one, member) for member in members])
+        if scope.cancelled_caught:
+            late = next(m for m in members if m not in answered)
+            raise WorkerTimeoutError(late.name, f"{call(late)} got no answer within {within} s")
 
     async def _call(
         self, member: Member, what: str, fn: Callable[[], Awaitable[T]], *, timed: bool = True
