@@ -28,6 +28,23 @@ pytestmark = pytest.mark.timeout(120)
 SHAPES = [(128, 128), (300, 200), (256, 512), (1024, 4096), (1, 7)]
 
 
+def _reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``per_block_cast_to_fp8(weight, [128, 128], use_ue8m0=False)`` arithmetic,
+    step by step, on ``weight``'s device (checked against vLLM's own on the CPU below):
+    zero padding to whole blocks, each block's largest magnitude (at least 1e-4) over
+    448 as its scale, the values times the scale's reciprocal cast to fp8."""
+    m, n = weight.shape
+    padded = torch.zeros(
+        (-(-m // 128) * 128, -(-n // 128) * 128), dtype=weight.dtype, device=weight.device
+    )
+    padded[:m, :n] = weight
+    view = padded.view(-1, 128, padded.size(1) // 128, 128)
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    scale = amax / 448.0
+    values = (view * (1.0 / scale)).to(torch.float8_e4m3fn).view_as(padded)
+    return values[:m, :n].contiguous(), scale.view(view.size(0), view.size(2))
+
+
 def _vllm_quantizer() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -53,6 +70,9 @@ def test_block_quantization_is_vllms_bitwise(shape: tuple[int, int], dtype: torc
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(s, want_s)
     assert torch.equal(fp8_block_scales(weight), s)
+    ref_q, ref_s = _reference(weight)  # the GPU test's reference is vLLM's arithmetic
+    assert torch.equal(ref_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(ref_s, want_s)
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (300, 200)], ids=["whole", "padded"])
@@ -237,23 +257,33 @@ async def test_fp8_push_into_worker_processes_written_directly_or_staged(shared:
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
-def test_block_quantization_on_a_gpu_gives_the_cpus_bytes(
+def test_block_quantization_on_a_gpu_gives_the_reference_arithmetics_bytes_there(
     shape: tuple[int, int], dtype: torch.dtype
 ) -> None:
     """On a GPU (the kernels a trainer runs there: its multiply stores into the fp8
-    output), the bytes and scales of the CPU, which are vLLM's (tested above)."""
+    output), the bytes and scales of vLLM's arithmetic run on that GPU.
+
+    Not the CPU's bytes: on CUDA, PyTorch divides a tensor by a scalar as a multiply
+    by its reciprocal, so ``amax / 448`` may differ from the CPU's in the last bit
+    (measured on an H100, 2026-12-07: 1344 / 448 gave a scale printed 3.0000, not 3,
+    and some values one fp8 step apart). vLLM's own quantizer, run there, does the
+    same division."""
     gen = torch.Generator().manual_seed(shape[0] * 5 + shape[1])
     weight = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
     weight[0, 0] = 448.0 * 3  # one block's amax far above the rest
     if shape[0] > 1:
         weight[-1, :] = 0.0
-    want_q, want_s = fp8_block_quantize(weight)
-    q, s = fp8_block_quantize(weight.cuda())
+    on_gpu = weight.cuda()
+    want_q, want_s = _reference(on_gpu)
+    q, s = fp8_block_quantize(on_gpu)
     assert q.device.type == "cuda" and q.dtype == torch.float8_e4m3fn
-    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
     out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
-    q2, s2 = fp8_block_quantize(weight.cuda(), out=out)
+    q2, s2 = fp8_block_quantize(on_gpu, out=out)
     assert q2.data_ptr() == out.data_ptr()
-    assert torch.equal(q2.cpu().view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(s2.cpu(), want_s)
+    assert torch.equal(q2.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s2, want_s)
+    # Against the CPU: the scales agree to a float32 rounding step.
+    cpu_s = fp8_block_scales(weight)
+    assert torch.allclose(s.cpu(), cpu_s, rtol=2.0**-22, atol=0.0)

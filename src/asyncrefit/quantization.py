@@ -92,7 +92,10 @@ def fp8_block_quantize(
     """``weight`` (2-D, any float dtype) in ``float8_e4m3fn`` and its block scales.
 
     The same arithmetic as vLLM's ``per_block_cast_to_fp8(weight, block, use_ue8m0=False)``
-    (``vllm/utils/deep_gemm.py``), so the bytes are equal: zeros pad to whole blocks;
+    (``vllm/utils/deep_gemm.py``), so the bytes are equal to its bytes on the same
+    device (on CUDA, PyTorch divides by a scalar as a multiply by its reciprocal, so a
+    GPU's scales, and then some values, may differ from a CPU's in the last bit; each
+    pair of values and scales is consistent): zeros pad to whole blocks;
     per block ``scale = max(amax, 1e-4) / 448`` in float32; values
     ``(weight * (1.0 / scale)).to(float8_e4m3fn)``, multiplied in float32 by the
     reciprocal (a division rounds differently) and not clamped (a block's largest value
