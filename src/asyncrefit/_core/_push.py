@@ -299,17 +299,13 @@ class Push:
         return "begin_direct" if member in self.topology.direct else "begin_update"
 
     async def _begin(self, member: Member) -> None:
-        version, worker = self.version, member.worker
-        if member in self.topology.direct:
+        version, worker, what = self.version, member.worker, self._begin_call(member)
+        if what == "begin_direct":
             # checked when it was attached (no protocol check per push)
             direct = cast("DirectWorker", worker)
-            await self._call(
-                member, "begin_direct", lambda: direct.begin_direct(version), timed=False
-            )
+            await self._call(member, what, lambda: direct.begin_direct(version))
         else:
-            await self._call(
-                member, "begin_update", lambda: worker.begin_update(version), timed=False
-            )
+            await self._call(member, what, lambda: worker.begin_update(version))
 
     async def _write_direct(self) -> None:
         """Have each source write every bucket into its direct members, in plan order,
@@ -342,9 +338,7 @@ class Push:
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)
-        await self._call(
-            member, "commit_update", lambda: worker.commit_update(version, buckets), timed=False
-        )
+        await self._call(member, "commit_update", lambda: worker.commit_update(version, buckets))
         self._committed.add(member)
         self._ledger.committed(member, version)
 
@@ -483,8 +477,7 @@ class Push:
             member,
             f"load_bucket({index})",
             lambda: worker.load_bucket(version, index, handles),
-            timed=False,  # under the bucket's deadline
-        )
+        )  # under the bucket's deadline
         if ack.copied:  # its copies may still run: the next pack into the slot waits
             self._copied.setdefault(record.slot, {})[member] = ack.copied
         self._ledger.acked(record.slot, member)
@@ -562,11 +555,12 @@ class Push:
             late = next(m for m in members if m not in answered)
             raise WorkerTimeoutError(late.name, f"{call(late)} got no answer within {within} s")
 
-    async def _call(
-        self, member: Member, what: str, fn: Callable[[], Awaitable[T]], *, timed: bool = True
-    ) -> T:
+    async def _call(self, member: Member, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """One worker call of the push, typed as :func:`call_worker` makes it; bounded by
+        its caller (every call of a push runs under a deadline shared with others: its
+        step's, see :meth:`_each_member`, or its bucket's)."""
         return await call_worker(
-            member, what, fn, within=self._options.timeout, died=self._settled, timed=timed
+            member, what, fn, within=self._options.timeout, died=self._settled, timed=False
         )
 
     def _settled(self, member: Member) -> None:
