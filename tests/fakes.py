@@ -35,6 +35,7 @@ class Faults:
     read_late_at: int | None = None
     read_late: float = 0.0
     bad_device: DeviceId | None = None
+    fail_at_begin: bool = False  # raise RuntimeError from begin_direct
     fail_at_commit: bool = False  # raise RuntimeError from commit_update
     hang_at_commit: bool = False  # never answer commit_update
 
@@ -171,9 +172,10 @@ class FakeWorker:
 
 
 @dataclass
-class DirectFakeWorker(FakeWorker):
+class PlainDirectFakeWorker(FakeWorker):
     """A :class:`FakeWorker` whose parameters live in a shared-memory segment it exports
-    (a :class:`~asyncrefit.abc.DirectWorker`): the trainer writes them directly.
+    (a :class:`~asyncrefit.abc.DirectWorker`): the trainer writes them directly. It
+    cannot take a begin back (see :class:`DirectFakeWorker`).
 
     ``tamper`` rewrites the destinations it reports (a hostile or broken worker).
     Call :meth:`close` at the end: it unlinks a segment that no trainer opened.
@@ -199,7 +201,21 @@ class DirectFakeWorker(FakeWorker):
         await anyio.lowlevel.checkpoint()
         await self._check_alive()
         self.calls.append(("begin_direct", version))
+        if self.faults.fail_at_begin:
+            raise RuntimeError("injected failure at begin")
         self.receiver.begin_direct(version)
 
     def close(self) -> None:
         self.receiver.close()
+
+
+@dataclass
+class DirectFakeWorker(PlainDirectFakeWorker):
+    """A :class:`PlainDirectFakeWorker` that can take a begin back before any write
+    (a :class:`~asyncrefit.abc.RestoringWorker`, as local workers and vLLM ranks are)."""
+
+    async def abort_unwritten(self, version: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        await self._check_alive()
+        self.calls.append(("abort_unwritten", version))
+        self.receiver.abort_unwritten(version)

@@ -50,6 +50,43 @@ def test_version_state_abort_after_load_leaves_nothing_complete() -> None:
     assert (s.complete, s.pending) == (None, None)
 
 
+def test_version_state_direct_begin_taken_back_unwritten_keeps_previous() -> None:
+    """A direct version counts as written from its begin; only the coordinator's word
+    that no byte was written (before the abort) gives the previous version back."""
+    s = VersionState()
+    s.begin(1, direct=True)
+    s.commit(1, 3)
+    s.begin(2, direct=True)
+    assert (s.complete, s.written(2)) == (None, True)
+    s.unwritten(3)  # another version: nothing changes
+    assert (s.complete, s.written(2)) == (None, True)
+    s.unwritten(2)
+    assert (s.complete, s.written(2)) == (1, False)
+    s.abort(2)
+    assert (s.complete, s.pending) == (1, None)
+    # Aborted without that word: written, nothing complete.
+    s.begin(3, direct=True)
+    s.abort(3)
+    assert (s.complete, s.pending) == (None, None)
+    # Taken back from no complete version: still none.
+    s.begin(4, direct=True)
+    s.unwritten(4)
+    s.abort(4)
+    assert s.complete is None
+
+
+def test_version_state_unwritten_does_not_apply_to_a_staged_version() -> None:
+    s = VersionState()
+    s.begin(1)
+    s.loading(1, 0)
+    s.commit(1, 1)
+    s.begin(2)
+    s.loading(2, 0)
+    s.unwritten(2)  # the worker knows itself what it loaded
+    s.abort(2)
+    assert s.complete is None
+
+
 def test_version_state_abort_before_load_keeps_previous() -> None:
     s = VersionState()
     s.begin(1)

@@ -14,11 +14,13 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
+import torch
 
-from asyncrefit import PushError, RefitCoordinator
+from asyncrefit import ParameterMismatchError, PushError, RefitCoordinator
 from asyncrefit.transport.shm import list_segments
 
 with warnings.catch_warnings():
@@ -201,6 +203,54 @@ async def test_a_cancelled_direct_push_resumes_the_engine_and_is_honest(
         assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
             model, prompts, TOKENS
         )
+
+
+async def test_the_engine_begun_ahead_of_a_plan_that_no_longer_holds_loses_nothing(
+    engine: tuple[LLM, Path],
+) -> None:
+    """The push begins the engine's ranks while it reads the trainer's tensors; those no
+    longer match the plan (a parameter changed shape), so the begins are taken back
+    before any write. The push raises the plan's error, the engine keeps its label,
+    its version, its weights and its cached prefix (its tokens stay those of the last
+    push), generation resumes, and the same version is pushed next."""
+    llm, path = engine
+    model = load_trainer(path)
+    prompts = prefixed(block_size(llm)) + [list(p) for p in PROMPTS]
+    async with (
+        connect_llm(llm) as workers,
+        RefitCoordinator(trainer=model, workers=workers, budget_bytes=BUDGET) as refit,
+    ):
+        taken_back: list[int] = []
+        for worker in workers:
+            original = worker.abort_unwritten
+
+            async def abort_unwritten(version: int, original: Any = original) -> None:
+                taken_back.append(version)
+                await original(version)
+
+            worker.abort_unwritten = abort_unwritten  # type: ignore[method-assign]
+        perturb(model, seed=80)
+        await refit.push(80)
+        perturb(model, seed=81)
+        await refit.push(81)  # the plan holds: begun ahead, written, committed
+        want = greedy(model, prompts, TOKENS)
+        assert await anyio.to_thread.run_sync(tokens, llm, prompts) == want  # cached
+        norm = model.get_submodule("model.norm")
+        weight = norm.get_parameter("weight")
+        norm.weight = torch.nn.Parameter(torch.ones(weight.shape[0] + 1))
+        perturb(model, seed=82)
+        with pytest.raises(ParameterMismatchError):
+            await refit.push(82)
+        assert taken_back == [82] * len(workers)
+        assert llm.llm_engine.get_weight_version() == "81"
+        assert await workers[0].weight_version() == 81
+        assert await anyio.to_thread.run_sync(tokens, llm, prompts) == want
+        norm.weight = weight
+        await refit.push(82)
+        assert await anyio.to_thread.run_sync(tokens, llm, prompts) == greedy(
+            model, prompts, TOKENS
+        )
+        assert llm.llm_engine.get_weight_version() == "82"
 
 
 @pytest.mark.parametrize("replace", [False, True], ids=["new-memory", "new-parameter"])

@@ -43,7 +43,7 @@ MESSAGES = st.one_of(
     st.builds(GetVersion),
     st.builds(BeginUpdate, version=ANY_INT, direct=st.one_of(st.booleans(), st.integers(0, 1))),
     st.builds(CommitUpdate, version=ANY_INT, buckets=ANY_INT),
-    st.builds(AbortUpdate, version=ANY_INT),
+    st.builds(AbortUpdate, version=ANY_INT, unwritten=st.one_of(st.booleans(), st.integers(0, 1))),
     st.builds(VersionReply, version=st.one_of(st.none(), ANY_INT)),
     st.builds(BucketAck, bucket=ANY_INT, nbytes=ANY_INT, seconds=ACK_SECONDS, copied=st.binary()),
 )

@@ -74,6 +74,22 @@ class DirectWorker(Worker, Protocol):
     async def begin_direct(self, version: int) -> None: ...
 
 
+@runtime_checkable
+class RestoringWorker(DirectWorker, Protocol):
+    """A :class:`DirectWorker` that can take a direct begin back before any write.
+
+    ``abort_unwritten(version)`` aborts ``version`` as ``abort_update`` does, and
+    tells the worker that the trainer wrote no byte of it: the worker holds the
+    complete version it held before the begin again, and serves it as before. The
+    coordinator sends it only when no write of the push was issued. With every worker
+    of a push written directly and restoring, the coordinator begins them while it
+    reads the trainer's tensors; should those no longer match the plan, it takes the
+    begins back this way and plans again, so nothing is lost.
+    """
+
+    async def abort_unwritten(self, version: int) -> None: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SourceInfo:
     """What a trainer source holds and which devices it can serve.

@@ -13,6 +13,7 @@ the plan a worker is handed). The bundled backends (``asyncrefit.local``,
 from ._protocols import DirectWorker as DirectWorker
 from ._protocols import OrderedSource as OrderedSource
 from ._protocols import PushEndingSource as PushEndingSource
+from ._protocols import RestoringWorker as RestoringWorker
 from ._protocols import SourceInfo as SourceInfo
 from ._protocols import TrainerSource as TrainerSource
 from ._protocols import TransmittingSource as TransmittingSource
@@ -34,6 +35,7 @@ __all__ = (
     "OrderedSource",
     "OrderingExporter",
     "PushEndingSource",
+    "RestoringWorker",
     "SourceInfo",
     "TrainerSource",
     "TransmittingSource",

@@ -160,6 +160,11 @@ class RefitCoordinator(EventSource):
         # prepare began that did not finish (the sources' buffers may not match it).
         self._topology: Topology | None = None
         self._stale = False
+        # Whether a push over a topology that begins ahead does (see Push.run): not
+        # after the tensors last read ahead no longer matched, until a push finds
+        # them unchanged again (a trainer whose parameters change at every push would
+        # otherwise begin and take back every time).
+        self._ahead = True
         self._budget: ByteBudget | None = None
         self._lock = anyio.Lock(fast_acquire=True)  # a free lock: no yield before a push
         self._push_scope: anyio.CancelScope | None = None
@@ -489,18 +494,45 @@ class RefitCoordinator(EventSource):
             raise AsyncRefitError("no workers to push to")
         ok = False
         try:
-            push = await self._prepare_push(version, recorder)
-            report = await push.run()
+            report = None
+            if self._begins_ahead():
+                # The workers begin while the trainer's tensors are read (that read
+                # no longer comes first): if those changed, nothing was written.
+                report = await self._new_push(version, recorder).run(current=self._plan_holds)
+                self._ahead = report is not None
+            if report is None:
+                report = await (await self._prepare_push(version, recorder)).run()
+                assert report is not None  # only a push begun ahead returns None
             ok = True
             return report
         finally:
             await end_push(self._ending, version, ok, self._cleanup_timeout)
+
+    def _begins_ahead(self) -> bool:
+        """Whether the next push begins its workers while it reads the trainer's tensors."""
+        topology = self._topology
+        return (
+            self._ahead
+            and topology is not None
+            and not self._stale
+            and topology.begins_ahead
+            and not self._ledger.unsettled()
+        )
+
+    async def _plan_holds(self) -> bool:
+        """Read the trainer's tensors: whether the current plan still holds for them."""
+        infos = await describe_sources(self._sources)
+        return (
+            not self._stale and self._topology is not None and tuple(infos) == self._topology.infos
+        )
 
     async def _prepare_push(self, version: int, recorder: PushRecorder) -> Push:
         """Re-plan if the sources changed, settle old aborts, check a slot is free."""
         infos = await describe_sources(self._sources)
         if self._stale or self._topology is None or tuple(infos) != self._topology.infos:
             await self._replan(infos, self._ledger.members.values())
+        else:
+            self._ahead = True  # unchanged: the next push may begin ahead again
         if self._ledger.unsettled():
             await self._settle(_SETTLE_BEFORE_PUSH)
         if self._topology is not None and self._topology.slots and not self._ledger.has_free_slot():
@@ -509,6 +541,9 @@ class RefitCoordinator(EventSource):
                 f"still read them ({self._ledger.quarantined()}); kill those workers "
                 "(or wait for them) and try again"
             )
+        return self._new_push(version, recorder)
+
+    def _new_push(self, version: int, recorder: PushRecorder) -> Push:
         assert self._topology is not None and self._budget is not None
         return Push(
             version=version,

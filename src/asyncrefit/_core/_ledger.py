@@ -62,6 +62,9 @@ class Ledger:
         # Members (current or removed) that may read slots and never confirmed an
         # abort, with the version to abort: their slots stay quarantined until then.
         self._unsettled: dict[Member, int] = {}
+        # What the push in progress began over: the highest version begun before it,
+        # and the version each member held (see restored, take_back).
+        self._before: tuple[int | None, dict[Member, int | None]] = (None, {})
 
     def __repr__(self) -> str:
         return (
@@ -154,11 +157,25 @@ class Ledger:
         Returns the members to push to.
         """
         self.check_version(version)
+        self._before = (self.highest_begun, dict(self._versions))
         self.highest_begun = version
         members = list(self.members.values())
         for member in members:
             self._versions[member] = None
         return members
+
+    def restored(self, member: Member) -> None:
+        """``member`` confirmed that it holds again what it held before this push began
+        (it was told that no byte of the push was written: see
+        :class:`~asyncrefit.abc.RestoringWorker`)."""
+        if member in self._versions:
+            self._versions[member] = self._before[1].get(member)
+
+    def take_back(self, version: int) -> None:
+        """No worker holds anything of ``version``, the push in progress (each one
+        :meth:`restored`): its number may be pushed again."""
+        if self.highest_begun == version:
+            self.highest_begun = self._before[0]
 
     def committed(self, member: Member, version: int) -> None:
         if member in self._versions:

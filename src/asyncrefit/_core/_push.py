@@ -21,10 +21,19 @@ the worker waits for it before it commits. A failure aborts them like the others
 (once the source waited for every write it issued); a worker that died meanwhile is
 found at its commit (or abort).
 
+A push over a topology that begins ahead (every worker written directly and able to
+take a begin back: :attr:`Topology.begins_ahead`) begins its workers while the
+coordinator reads the trainer's tensors (``run(current=...)``): the begins' round trip
+overlaps that read instead of following it. Should the tensors no longer match the
+plan, the begins are taken back before any write (each worker holds its previous
+version again, the version's number is free) and the coordinator plans again.
+
 Error handling: worker calls are bounded by the timeout and their errors made typed
 (:func:`call_worker`). A failure or cancellation of the transfer tells every touched,
 uncommitted worker to abort (:meth:`Push.abort`), then raises :class:`PushError`
 naming the failure and the workers left incomplete, or lets the cancellation go on.
+Before the push issued any write, a directly written worker that can is told so with
+its abort (``abort_unwritten``): it keeps its previous version, and is not incomplete.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from .._exceptions import (
     WorkerTimeoutError,
     primary_error,
 )
-from .._protocols import OrderedSource, PushEndingSource, TransmittingSource
+from .._protocols import OrderedSource, PushEndingSource, RestoringWorker, TransmittingSource
 from .._wire._errors import WORKER, map_exceptions, raised_errors
 
 if TYPE_CHECKING:
@@ -193,6 +202,15 @@ async def end_push(
                 tg.start_soon(one, source)
 
 
+class _NotCurrent(Exception):
+    """The trainer's tensors read after an ahead begin no longer match the plan, or
+    could not be read (``error``)."""
+
+    def __init__(self, error: Exception | None) -> None:
+        super().__init__("the plan no longer holds")
+        self.error = error
+
+
 class Push:
     """One push of ``version`` over ``topology``: :meth:`run` it once.
 
@@ -229,21 +247,41 @@ class Push:
         # slot -> the tokens of the workers' acks for the bucket last in it (ordered handles)
         self._copied: dict[int, dict[Member, bytes]] = {}
         self._begun = anyio.Event()  # every worker began: buckets may be sent
+        self._written = False  # a direct write was issued: no begin can be taken back
+        self._restored: set[Member] = set()  # took the begin back: hold what they held
+        self._abort_errors: dict[Member, Exception] = {}  # aborts not confirmed
 
     def incomplete(self) -> list[str]:
-        """The workers told to begin that did not commit."""
-        return sorted(m.name for m in self._touched - self._committed)
+        """The workers told to begin that did not commit, and do not hold their
+        previous version again (see :meth:`abort`)."""
+        return sorted(m.name for m in self._touched - self._committed - self._restored)
 
     # --- the whole push ---------------------------------------------------------------
 
-    async def run(self) -> RefitReport:
-        """Begin, send every bucket, commit; on failure abort and raise :class:`PushError`."""
+    async def run(
+        self, *, current: Callable[[], Awaitable[bool]] | None = None
+    ) -> RefitReport | None:
+        """Begin, send every bucket, commit; on failure abort and raise :class:`PushError`.
+
+        ``current`` (only over a topology that :attr:`~Topology.begins_ahead`): the
+        workers begin while ``current()`` reads the trainer's tensors and says whether
+        they still match the plan. If they do not, or reading them raised, every begin
+        is taken back before any write (:meth:`take_back`), then ``None`` is returned
+        (plan again) or the reading's error raised.
+        """
         self.members = self._ledger.begin(self.version)
         self._staged = [m for m in self.members if m not in self.topology.direct]
         self._recorder.planned(m.name for m in self.members)
         self._load_sizes.next_push()
         try:
+            if current is not None:
+                await self._begin_ahead(current)
             await self._transfer()
+        except _NotCurrent as stale:
+            await self.take_back()
+            if stale.error is not None:
+                raise stale.error from None
+            return None
         except BaseException as exc:
             primary = primary_error(exc)
             self._recorder.worker_failed(primary)
@@ -262,11 +300,47 @@ class Push:
         self._ledger.complete(self.version)
         return self._recorder.committed(self.topology, self._budget.statistics().peak)
 
+    async def _begin_ahead(self, current: Callable[[], Awaitable[bool]]) -> None:
+        """Begin every worker while ``current()`` runs; raise :class:`_NotCurrent`
+        once they all began if it said no or raised (a failed begin raises itself)."""
+        held = False
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(self._begin_all, announce=False))
+            try:
+                held = await current()
+            except Exception as exc:
+                error = exc
+        if not held or error is not None:
+            raise _NotCurrent(error)
+        self._recorder.begun(self.topology)
+
+    async def take_back(self) -> None:
+        """Take back the begins of a push that wrote nothing: abort every worker it
+        touched, telling it so; each then holds what it held before, and the version's
+        number is free again. Raises :class:`PushError` naming the workers that did not
+        confirm (they hold no complete version)."""
+        await self.abort()
+        if incomplete := self.incomplete():
+            failed = min(self._abort_errors, key=lambda m: m.name, default=None)
+            cause: Exception = (
+                self._abort_errors[failed]
+                if failed is not None
+                else WorkerTimeoutError(
+                    incomplete[0],
+                    f"abort_unwritten got no answer within {self._options.cleanup_timeout} s",
+                )
+            )
+            name = failed.name if failed is not None else incomplete[0]
+            raise PushError(self.version, cause, incomplete, name) from cause
+        self._ledger.take_back(self.version)
+
     async def _transfer(self) -> None:
         if not self.topology.exporting_sources:
             # Every worker is written directly: begin, write, commit, one after the
             # other in this task (no task hop between them: the devices wait meanwhile).
-            await self._begin_all()
+            if not self._begun.is_set():
+                await self._begin_all()
             await self._write_direct()
         else:
             await self._transfer_staged()
@@ -289,9 +363,9 @@ class Push:
                 after, exported = exported, anyio.Event()
                 tg.start_soon(self.send_bucket, bucket, slot, after, exported)
 
-    async def _begin_all(self) -> None:
+    async def _begin_all(self, *, announce: bool = True) -> None:
         self._touched.update(self.members)  # an abort must reach every one of them
-        with self._recorder.beginning(self.topology):
+        with self._recorder.beginning(self.topology, announce=announce):
             await self._each_member(self.members, self._begin, self._begin_call)
         self._begun.set()
 
@@ -326,6 +400,7 @@ class Push:
         count = sum(len(ms) for ms in groups.values())
         if not self._begun.is_set():
             await self._begun.wait()
+        self._written = True  # from here on the workers' memory may change
         for batch in write_batches(self.topology.plan.buckets, self._options.write_batch_bytes):
             records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in batch]
             with self._recorder.writing(records, "direct", count):
@@ -489,13 +564,16 @@ class Push:
         """Tell every touched, uncommitted worker to abort; shielded and bounded.
 
         Direct writes a source issued on a device are waited for first: a worker is
-        told to abort only once nothing writes its memory any more.
+        told to abort only once nothing writes its memory any more. Before the push
+        issued any write, a worker written directly that can take its begin back
+        (:class:`~asyncrefit.abc.RestoringWorker`) is told that nothing was written:
+        once it confirms, it holds its previous version again (so does the ledger).
         """
         with anyio.CancelScope(shield=True) as scope:
             scope.deadline = anyio.current_time() + self._options.cleanup_timeout
             await self._flush_direct()
             async with anyio.create_task_group() as tg:
-                for member in self._touched - self._committed:
+                for member in self._touched - self._committed - self._restored:
                     tg.start_soon(self._abort_one, member)
         if self._ledger.quarantined():
             logger.warning(
@@ -521,10 +599,31 @@ class Push:
         version = self.version
         # Owed until it confirms (also if this call is cut off by the cleanup deadline).
         self._ledger.aborting(member, version)
+        if not self._written and member in self.topology.restoring:
+            await self._restore_one(member)
+            return
         if (exc := await confirm_abort(member, version)) is not None:
             logger.warning("worker %s did not confirm abort of %s: %s", member.name, version, exc)
+            self._abort_errors[member] = exc
             return
         self._settled(member)  # confirmed: it reads no slot any more
+
+    async def _restore_one(self, member: Member) -> None:
+        """Abort ``member``, begun direct and not written: it holds what it held before."""
+        worker = cast("RestoringWorker", member.worker)  # checked when it was attached
+        try:
+            await worker.abort_unwritten(self.version)
+        except WorkerDiedError:
+            self._settled(member)  # gone: reads nothing, and holds nothing
+        except Exception as exc:
+            logger.warning(
+                "worker %s did not confirm abort of %s: %s", member.name, self.version, exc
+            )
+            self._abort_errors[member] = exc
+        else:
+            self._settled(member)
+            self._restored.add(member)
+            self._ledger.restored(member)
 
     # --- helpers ----------------------------------------------------------------------
 

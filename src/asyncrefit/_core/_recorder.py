@@ -123,11 +123,17 @@ class PushRecorder:
         self.account.handle_bytes = dict.fromkeys(self._workers, 0)
 
     @contextmanager
-    def beginning(self, topology: Topology) -> Iterator[None]:
-        """Time the block that tells every worker to begin; then :class:`PushBegun`."""
+    def beginning(self, topology: Topology, *, announce: bool = True) -> Iterator[None]:
+        """Time the block that tells every worker to begin; then :class:`PushBegun`
+        (``announce=False``: later, by :meth:`begun`, once the plan is known to hold)."""
         t = self._clock()
         yield
         self.account.begin = self._clock() - t
+        if announce:
+            self.begun(topology)
+
+    def begun(self, topology: Topology) -> None:
+        """Emit :class:`PushBegun`: every worker began, following ``topology``."""
         if self._events:
             self._events.emit(
                 PushBegun(

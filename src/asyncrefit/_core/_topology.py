@@ -22,7 +22,7 @@ from .._exceptions import (
     PlanError,
     UnknownDeviceError,
 )
-from .._protocols import SourceInfo
+from .._protocols import RestoringWorker, SourceInfo
 from ._ledger import Member
 from ._plan import ParamSpec, Plan, plan_buckets, validate_worker
 
@@ -38,6 +38,8 @@ class Topology:
     routes: Mapping[Member, int]  # the index of the source serving each member
     #: The members their source writes directly (see :class:`~asyncrefit.abc.WritingSource`).
     direct: frozenset[Member] = frozenset()
+    #: The direct members that can take a begin back (:class:`~asyncrefit.abc.RestoringWorker`).
+    restoring: frozenset[Member] = frozenset()
 
     @property
     def exporting_sources(self) -> tuple[int, ...]:
@@ -63,7 +65,24 @@ class Topology:
         direct = frozenset(members)
         staged = any(m not in direct for m in self.routes)
         gathers = any(info.gathers for info in self.infos)
-        return replace(self, direct=direct, slots=self.slots if staged or gathers else 0)
+        restoring = frozenset(m for m in direct if isinstance(m.worker, RestoringWorker))
+        return replace(
+            self,
+            direct=direct,
+            restoring=restoring,
+            slots=self.slots if staged or gathers else 0,
+        )
+
+    @property
+    def begins_ahead(self) -> bool:
+        """Whether a push may begin its workers before it read the trainer's tensors:
+        every member is written directly and can take its begin back (no source
+        exports, so nothing but the writes follows the begins)."""
+        return (
+            bool(self.routes)
+            and len(self.restoring) == len(self.routes)
+            and not any(info.gathers for info in self.infos)
+        )
 
     @property
     def used_sources(self) -> tuple[int, ...]:
@@ -95,7 +114,12 @@ class Topology:
 
     def without(self, member: Member) -> Topology:
         routes = {m: s for m, s in self.routes.items() if m is not member}
-        return replace(self, routes=MappingProxyType(routes), direct=self.direct - {member})
+        return replace(
+            self,
+            routes=MappingProxyType(routes),
+            direct=self.direct - {member},
+            restoring=self.restoring - {member},
+        )
 
     def devices_to_export(self, source: int, *, every_device: bool) -> list[DeviceId]:
         """The devices ``source`` exports handles for: its members' (all, with

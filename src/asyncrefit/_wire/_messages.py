@@ -126,9 +126,16 @@ class CommitUpdate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AbortUpdate:
-    """Give up ``version``; answered only after every view of a buffer is dropped."""
+    """Give up ``version``; answered only after every view of a buffer is dropped.
+
+    ``unwritten``: the coordinator says no byte of ``version`` was written into the
+    worker (a direct version begun ahead of the writes): the worker holds the complete
+    version it held before the begin again (see
+    :meth:`~asyncrefit.planning.VersionState.unwritten`).
+    """
 
     version: int
+    unwritten: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,8 +319,9 @@ def _encode_commit(request_id: int, message: CommitUpdate) -> bytes | None:
 
 
 def _encode_abort(request_id: int, message: AbortUpdate) -> bytes | None:
-    if type(message.version) is int:
-        return _ID_INT.pack(_ABORT, request_id, message.version)
+    version, unwritten = message.version, message.unwritten
+    if type(version) is int and type(unwritten) is bool:
+        return _ID_INT_BOOL.pack(_ABORT, request_id, version, unwritten)
     return None
 
 
@@ -369,8 +377,8 @@ def _decode_commit(data: bytes) -> tuple[int, Any]:
 
 
 def _decode_abort(data: bytes) -> tuple[int, Any]:
-    _, request_id, version = _ID_INT.unpack(data)
-    return request_id, AbortUpdate(version=version)
+    _, request_id, version, unwritten = _ID_INT_BOOL.unpack(data)
+    return request_id, AbortUpdate(version=version, unwritten=unwritten)
 
 
 def _decode_get_version(data: bytes) -> tuple[int, Any]:

@@ -237,6 +237,12 @@ class Endpoint(Generic[AbortReply]):
         self.sink.abort(version)
         self.state.abort(version)
 
+    def abort_unwritten(self, version: int) -> None:
+        """Abort ``version``, begun direct, of which the coordinator says no byte was
+        written: the version held before its begin is complete again."""
+        self.state.unwritten(version)
+        self.abort(version)
+
     def abandon(self) -> None:
         """Give up the pending version, if any, in the state alone (the sink is told
         nothing: its owner ends what it has open itself)."""
@@ -277,7 +283,9 @@ class Endpoint(Generic[AbortReply]):
                 case CommitUpdate(version=v, buckets=n):
                     self.commit(v, n)
                     return Done()
-                case AbortUpdate(version=v):
+                case AbortUpdate(version=v, unwritten=unwritten):
+                    if unwritten:
+                        self.state.unwritten(v)
                     written = self.state.written(v)
                     self.abort(v)
                     return self.sink.aborted(self.state.complete, written)

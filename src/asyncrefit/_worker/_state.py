@@ -15,10 +15,12 @@ class VersionState:
     A *direct* version (``begin(version, direct=True)``) is written into the worker's
     memory by the trainer, without a load per bucket: the worker counts as written
     from its begin on (an abort leaves it without a complete version), and its
-    commit counts no buckets.
+    commit counts no buckets. If the coordinator then says that no byte of it was
+    written (:meth:`unwritten`, before its abort: it began the worker ahead of the
+    writes), the complete version held before the begin is whole again.
     """
 
-    __slots__ = ("complete", "direct", "dirty", "loaded", "pending")
+    __slots__ = ("before", "complete", "direct", "dirty", "loaded", "pending")
 
     def __init__(self) -> None:
         self.complete: int | None = None
@@ -26,6 +28,8 @@ class VersionState:
         self.dirty = False
         self.direct = False
         self.loaded: set[int] = set()
+        #: The complete version held when the pending direct version began.
+        self.before: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -39,6 +43,7 @@ class VersionState:
         self.pending, self.dirty, self.loaded = version, False, set()
         self.direct = direct
         if direct:  # the trainer may write from now on
+            self.before = self.complete
             self.dirty, self.complete = True, None
 
     def check_loading(self, version: int) -> None:
@@ -70,6 +75,18 @@ class VersionState:
     def written(self, version: int) -> bool:
         """Whether any byte of ``version`` was written and the version is not committed."""
         return self.pending == version and self.dirty
+
+    def unwritten(self, version: int) -> None:
+        """The coordinator says no byte of the pending direct ``version`` was written:
+        the version held before its begin is complete again (an abort follows).
+
+        Only the coordinator knows this of a direct version (the trainer writes without
+        telling the worker); it says so only before it issued any write of the push.
+        Nothing changes for another version, or one loaded bucket by bucket (the worker
+        knows itself what was written then).
+        """
+        if self.pending == version and self.direct and not self.loaded:
+            self.dirty, self.complete = False, self.before
 
     def abort(self, version: int) -> None:
         if self.pending is None or self.pending != version:

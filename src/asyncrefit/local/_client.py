@@ -196,6 +196,11 @@ class LocalWorker:
     async def abort_update(self, version: int) -> None:
         await self._expect(AbortUpdate(version=version), Done)
 
+    async def abort_unwritten(self, version: int) -> None:
+        """Abort ``version``, begun direct, before the trainer wrote any byte of it: the
+        worker holds the version it held before the begin again."""
+        await self._expect(AbortUpdate(version=version, unwritten=True), Done)
+
     async def weight_version(self) -> int | None:
         return (await self._expect(GetVersion(), VersionReply)).version
 

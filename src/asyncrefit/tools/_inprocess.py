@@ -75,6 +75,9 @@ class InProcessWorker:
     async def abort_update(self, version: int) -> None:
         self.receiver.abort(version)
 
+    async def abort_unwritten(self, version: int) -> None:
+        self.receiver.abort_unwritten(version)
+
     async def weight_version(self) -> int | None:
         return self.receiver.version
 

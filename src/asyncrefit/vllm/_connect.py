@@ -149,6 +149,14 @@ class VLLMWorker(_Rank):
         reply = await self._link.begin(self._rank, version, direct=True)
         _reply_of(reply, self._name, Done)
 
+    async def abort_unwritten(self, version: int) -> None:
+        """Abort ``version``, begun direct, before the trainer wrote any byte of it: the
+        engine keeps the version (and the label) it held, and generation resumes."""
+        try:
+            await self._link.abort(self._rank, version, unwritten=True)
+        except Exception as exc:
+            raise self._link.translate(exc, self._rank) from exc
+
     async def load_bucket(
         self, version: int, bucket: int, handles: tuple[Handle, ...]
     ) -> BucketAck:

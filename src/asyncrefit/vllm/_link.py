@@ -566,8 +566,14 @@ class _EngineLink:
             self.name, type(exc).__name__, f"version {version} is in, but {what} failed: {exc}"
         )
 
-    async def abort(self, rank: int, version: int, *, adapter: str | None = None) -> None:
+    async def abort(
+        self, rank: int, version: int, *, adapter: str | None = None, unwritten: bool = False
+    ) -> None:
         """End the engine's session, whichever rank asks first; never waits for others.
+
+        ``unwritten``: the coordinator says the trainer wrote no byte of the direct
+        ``version`` (see :meth:`VLLMWorker.abort_unwritten`): the ranks hold the version
+        they held before its begin again, so the engine keeps its label and cache.
 
         Returns once no rank reads a trainer buffer any more, or raises if that could
         not be confirmed (the next abort asks again). Generation is resumed whatever
@@ -581,11 +587,11 @@ class _EngineLink:
                     await self._abort_locked()  # confirm an earlier abort, resume
                 return
             try:
-                await self._abort_locked()
+                await self._abort_locked(unwritten=unwritten)
             finally:
                 self._release(adapter)
 
-    async def _abort_locked(self, *, every_target: bool = False) -> None:
+    async def _abort_locked(self, *, every_target: bool = False, unwritten: bool = False) -> None:
         """Abort the open session (or confirm an earlier abort), end vLLM's weight
         update, label the engine incomplete if bytes were written, resume generation.
 
@@ -603,13 +609,18 @@ class _EngineLink:
         with anyio.CancelScope(shield=True):
             try:
                 for ask in self._session.abort():
-                    unconfirmed = await self._end_update(ask)
+                    # Only the open direct version can be unwritten (not an earlier
+                    # abort being confirmed).
+                    unwritten_ask = (
+                        unwritten and self._direct and ask.version == self._session.version
+                    )
+                    unconfirmed = await self._end_update(ask, unwritten=unwritten_ask)
             finally:
                 await self._clean_up(self._session.resume())
         if unconfirmed is not None:
             raise unconfirmed
 
-    async def _end_update(self, ask: AbortWorkers) -> Exception | None:
+    async def _end_update(self, ask: AbortWorkers, *, unwritten: bool = False) -> Exception | None:
         """The abort exchange, then (if an update is open) vLLM's finish and the label;
         returns why the abort is unconfirmed, or ``None``."""
         version = ask.version
@@ -617,7 +628,8 @@ class _EngineLink:
         unconfirmed: Exception | None = None
         written = False
         requests: dict[int, RankRequest] = {
-            r: _wrap(AbortUpdate(version=version), self._adapter) for r in range(self.world)
+            r: _wrap(AbortUpdate(version=version, unwritten=unwritten), self._adapter)
+            for r in range(self.world)
         }
         try:
             with anyio.fail_after(self._cleanup):
