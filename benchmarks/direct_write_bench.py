@@ -16,6 +16,9 @@ and pushes it into ``n`` local worker processes on the same device, for every ``
 - **direct write**: workers started with ``shared_parameters=True``; the
   coordinator's :class:`~asyncrefit.LocalTrainer` writes each tensor straight into the
   workers' exported parameters. Zero staging bytes;
+- **direct, read first**: the same workers and writes, but each push reads the
+  trainer's tensors before it begins the workers (as pushes did before they began
+  ahead: the read and the begins one after the other). The baseline of the begin ahead;
 - **staged**: workers without shared parameters; the trainer packs each bucket into a
   staging slot (shared memory on the CPU, ``CudaIpcExporter`` on a GPU) and each
   worker copies it out: two copies per byte, two slots of ``--bucket-mib``.
@@ -152,6 +155,8 @@ async def time_pushes(
     warmup: int,
     repeats: int,
     timeline: int = 0,
+    *,
+    ahead: bool = True,
 ) -> dict[str, Any]:
     times = []
     stages: list[dict[str, float]] = []
@@ -159,6 +164,8 @@ async def time_pushes(
     async with RefitCoordinator(
         trainer=make_trainer(), workers=workers, budget_bytes=budget, timeout=600
     ) as refit:
+        if not ahead:  # the baseline: read the trainer's tensors, then begin
+            refit._begins_ahead = lambda: False  # type: ignore[method-assign]
         for v in range(1, warmup + repeats + 1):
             await anyio.to_thread.run_sync(fill, model, v)
             start = time.perf_counter()
@@ -229,22 +236,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     def trainer() -> LocalTrainer:
                         return LocalTrainer(model)
 
-                result = await time_pushes(
-                    model,
-                    workers,
-                    trainer,
-                    2 * bucket,
-                    args.warmup,
-                    args.repeats,
-                    args.timeline if shared else 0,
-                )
-            result["consumers"] = n
-            rows[f"{n}: {name}"] = result
-            ms = statistics.median(result["seconds"]) * 1e3
-            parts = " ".join(f"{k} {v * 1e3:.2f}" for k, v in result["stages"].items())
-            print(f"   {name}: {ms:.2f} ms ({parts})", file=sys.stderr)
-            if result["timeline_table"]:
-                print(result["timeline_table"], file=sys.stderr)
+                # Direct write twice into the same workers: begun ahead, read first.
+                for label, ahead in ((name, True), ("direct, read first", False))[
+                    : 2 if shared else 1
+                ]:
+                    result = await time_pushes(
+                        model,
+                        workers,
+                        trainer,
+                        2 * bucket,
+                        args.warmup,
+                        args.repeats,
+                        args.timeline if shared else 0,
+                        ahead=ahead,
+                    )
+                    result["consumers"] = n
+                    rows[f"{n}: {label}"] = result
+                    ms = statistics.median(result["seconds"]) * 1e3
+                    parts = " ".join(f"{k} {v * 1e3:.2f}" for k, v in result["stages"].items())
+                    print(f"   {label}: {ms:.2f} ms ({parts})", file=sys.stderr)
+                    if result["timeline_table"]:
+                        print(result["timeline_table"], file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(gpu=cuda),

@@ -202,6 +202,13 @@ async def end_push(
                 tg.start_soon(one, source)
 
 
+#: Scheduling rounds a push that begins ahead gives its begins before it reads the
+#: trainer's tensors: a begin into a local worker sends its request in its first
+#: round, one of several workers in the second; an engine's (its pause, then its
+#: ranks' requests) in a few more. Each round costs one pass of the event loop.
+_ROUNDS_BEFORE_READ = 4
+
+
 class _NotCurrent(Exception):
     """The trainer's tensors read after an ahead begin no longer match the plan, or
     could not be read (``error``)."""
@@ -307,6 +314,11 @@ class Push:
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(partial(self._begin_all, announce=False))
+            # The read runs in this task, mostly without yielding: first let the begins
+            # go out (a few scheduling rounds take each begin to its request), so that
+            # the workers answer while the trainer is read.
+            for _ in range(_ROUNDS_BEFORE_READ):
+                await anyio.lowlevel.checkpoint()
             try:
                 held = await current()
             except Exception as exc:
