@@ -20,6 +20,9 @@ pushed into the engine by:
   same trainer writes the engine's own parameters by the copy plan the engine learned
   from its loaders (``vllm/_direct.py``), on its stream, one copy per byte; no bucket
   is loaded and nothing is staged (the budget bounds what one write call covers);
+  the push begins the engine while it reads the trainer's tensors;
+- **direct, read first**: the same, but each push reads the trainer's tensors before
+  it begins the engine (as pushes did before they began ahead): the baseline of that;
 - **asyncrefit staged**: ``RefitCoordinator(direct_write=False)`` with
   ``LocalTrainer(model, exporter=CudaIpcExporter(0))`` into the workers of
   ``connect_llm(llm)``; buckets of ``--budget-gib / 2``, budget two buckets (2 slots,
@@ -113,6 +116,7 @@ TINY: dict[str, Any] = {
 }
 
 DIRECT = "asyncrefit direct"
+DIRECT_READ_FIRST = "direct, read first"
 STAGED = "asyncrefit staged"
 ZERO_COPY = "asyncrefit zero-copy"
 IPC_PACKED = "vLLM IPC packed"
@@ -382,6 +386,7 @@ async def asyncrefit_row(
     repeats: int,
     vocab: int,
     timeline: int = 0,
+    ahead: bool = True,
 ) -> dict[str, Any]:
     from asyncrefit import LocalTrainer, RefitCoordinator
     from asyncrefit.planning import plan_buckets
@@ -411,6 +416,8 @@ async def asyncrefit_row(
             direct_write=direct,
         ) as refit,
     ):
+        if not ahead:  # the baseline: read the trainer's tensors, then begin
+            refit._begins_ahead = lambda: False  # type: ignore[method-assign]
 
         async def push(version: int) -> None:
             reports.append(await refit.push(version))
@@ -677,10 +684,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             with engine(workdir, load_format="safetensors", **common, **engine_args()) as llm:
                 result["engine_calls"] = engine_calls(llm)
-                for name, zero_copy, direct in (
-                    (DIRECT, False, True),
-                    (STAGED, False, False),
-                    (ZERO_COPY, True, False),
+                for name, zero_copy, direct, ahead in (
+                    (DIRECT, False, True, True),
+                    (DIRECT_READ_FIRST, False, True, False),
+                    (STAGED, False, False, True),
+                    (ZERO_COPY, True, False, True),
                 ):
                     call = functools.partial(
                         asyncrefit_row,
@@ -693,12 +701,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         warmup=args.warmup,
                         repeats=args.repeats,
                         vocab=vocab,
-                        timeline=args.timeline if direct else 0,
+                        timeline=args.timeline if direct and ahead else 0,
+                        ahead=ahead,
                     )
                     run_row(rows, name, functools.partial(anyio.run, call, backend="asyncio"))
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
-            _fail_missing(rows, (DIRECT, STAGED, ZERO_COPY), f"engine: {exc!r}")
+            _fail_missing(rows, (DIRECT, DIRECT_READ_FIRST, STAGED, ZERO_COPY), f"engine: {exc!r}")
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -777,6 +786,12 @@ def format_table(result: dict[str, Any]) -> str:
                     f"{ours} vs {other}: {o['median_ms'] / mine['median_ms']:.2f}x faster "
                     "(median over median)"
                 )
+    ahead, first = rows.get(DIRECT, {}), rows.get(DIRECT_READ_FIRST, {})
+    if "median_ms" in ahead and "median_ms" in first:
+        lines.append(
+            f"{DIRECT} (begun while the trainer is read) vs {DIRECT_READ_FIRST}: "
+            f"{first['median_ms'] - ahead['median_ms']:.2f} ms less a push (median minus median)"
+        )
     for r in result["rows"]:
         if "stages_ms" in r:
             s = ", ".join(f"{k} {v:.2f}" for k, v in r["stages_ms"].items())
