@@ -301,11 +301,14 @@ class ClosedError(AsyncRefitError):
 
 
 class PushError(AsyncRefitError):
-    """A push failed; the workers it touched hold no complete version.
+    """A push failed; the workers it began hold no complete version, unless it knows better.
 
     ``cause`` is the typed error that failed the push (also chained as
     ``__cause__``); ``incomplete`` names every worker left without a complete version,
-    and ``failed`` the worker the failure came from, when there is one.
+    and ``failed`` the worker the failure came from, when there is one. Left out are
+    the workers known to hold their previous version again: those written directly
+    that the push told, before any write, to take their begin back
+    (:class:`~asyncrefit.abc.RestoringWorker`).
     """
 
     def __init__(
