@@ -18,7 +18,8 @@ and pushes it into ``n`` local worker processes on the same device, for every ``
   workers' exported parameters. Zero staging bytes;
 - **direct, read first**: the same workers and writes, but each push reads the
   trainer's tensors before it begins the workers (as pushes did before they began
-  ahead: the read and the begins one after the other). The baseline of the begin ahead;
+  ahead: the read and the begins one after the other). The baseline of the begin
+  ahead; its pushes alternate with the direct write's, into the same workers;
 - **staged**: workers without shared parameters; the trainer packs each bucket into a
   staging slot (shared memory on the CPU, ``CudaIpcExporter`` on a GPU) and each
   worker copies it out: two copies per byte, two slots of ``--bucket-mib``.
@@ -156,23 +157,32 @@ async def time_pushes(
     repeats: int,
     timeline: int = 0,
     *,
-    ahead: bool = True,
-) -> dict[str, Any]:
-    times = []
-    stages: list[dict[str, float]] = []
+    modes: Sequence[bool] = (True,),
+) -> dict[bool, dict[str, Any]]:
+    """Time pushes, by mode: ``True`` begun ahead, ``False`` read first (the baseline).
+
+    With both modes the pushes alternate between them (one coordinator, the same
+    workers), so drift and the order of rows weigh on both alike.
+    """
+    times: dict[bool, list[float]] = {m: [] for m in modes}
+    stages: dict[bool, list[dict[str, float]]] = {m: [] for m in modes}
     traced = PushTimeline()
     async with RefitCoordinator(
         trainer=make_trainer(), workers=workers, budget_bytes=budget, timeout=600
     ) as refit:
-        if not ahead:  # the baseline: read the trainer's tensors, then begin
-            refit._begins_ahead = lambda: False  # type: ignore[method-assign]
-        for v in range(1, warmup + repeats + 1):
+        ahead = [True]
+        begins_ahead = refit._begins_ahead
+        refit._begins_ahead = lambda: ahead[0] and begins_ahead()  # type: ignore[method-assign]
+        pushes = (warmup + repeats) * len(modes)
+        for v in range(1, pushes + 1):
+            mode = ahead[0] = modes[(v - 1) % len(modes)]
             await anyio.to_thread.run_sync(fill, model, v)
             start = time.perf_counter()
             report = await refit.push(v)
-            if v > warmup:
-                times.append(time.perf_counter() - start)
-                stages.append(dataclasses.asdict(report.stages))
+            if v > warmup * len(modes):
+                times[mode].append(time.perf_counter() - start)
+                stages[mode].append(dataclasses.asdict(report.stages))
+        ahead[0] = True
         with traced:  # after the timed pushes: its wrappers are in none of them
             for version in range(v + 1, v + 1 + timeline):
                 await anyio.to_thread.run_sync(fill, model, version)
@@ -183,15 +193,18 @@ async def time_pushes(
             if not torch.equal(got, want):
                 raise AssertionError(f"{w.name} does not hold the trainer's tensors")
     return {
-        "seconds": times,
-        "stages": {k: statistics.median(s[k] for s in stages) for k in stages[0]},
-        "slots": report.slots,
-        "staging_bytes": report.slots * report.slot_bytes,
-        "peak_budget_bytes": report.peak_budget_bytes,
-        "transports": report.bytes_per_transport,
-        "buckets": report.buckets,
-        "timeline": traced.summary() if timeline else [],
-        "timeline_table": traced.table() if timeline else "",
+        mode: {
+            "seconds": times[mode],
+            "stages": {k: statistics.median(s[k] for s in stages[mode]) for k in stages[mode][0]},
+            "slots": report.slots,
+            "staging_bytes": report.slots * report.slot_bytes,
+            "peak_budget_bytes": report.peak_budget_bytes,
+            "transports": report.bytes_per_transport,
+            "buckets": report.buckets,
+            "timeline": traced.summary() if timeline and mode else [],
+            "timeline_table": traced.table() if timeline and mode else "",
+        }
+        for mode in modes
     }
 
 
@@ -236,27 +249,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     def trainer() -> LocalTrainer:
                         return LocalTrainer(model)
 
-                # Direct write twice into the same workers: begun ahead, read first.
-                for label, ahead in ((name, True), ("direct, read first", False))[
-                    : 2 if shared else 1
-                ]:
-                    result = await time_pushes(
-                        model,
-                        workers,
-                        trainer,
-                        2 * bucket,
-                        args.warmup,
-                        args.repeats,
-                        args.timeline if shared else 0,
-                        ahead=ahead,
-                    )
-                    result["consumers"] = n
-                    rows[f"{n}: {label}"] = result
-                    ms = statistics.median(result["seconds"]) * 1e3
-                    parts = " ".join(f"{k} {v * 1e3:.2f}" for k, v in result["stages"].items())
-                    print(f"   {label}: {ms:.2f} ms ({parts})", file=sys.stderr)
-                    if result["timeline_table"]:
-                        print(result["timeline_table"], file=sys.stderr)
+                # Direct write into the same workers, pushes alternating between
+                # begun ahead and read first.
+                results = await time_pushes(
+                    model,
+                    workers,
+                    trainer,
+                    2 * bucket,
+                    args.warmup,
+                    args.repeats,
+                    args.timeline if shared else 0,
+                    modes=(True, False) if shared else (True,),
+                )
+            for mode, result in results.items():
+                label = name if mode else "direct, read first"
+                result["consumers"] = n
+                rows[f"{n}: {label}"] = result
+                ms = statistics.median(result["seconds"]) * 1e3
+                parts = " ".join(f"{k} {v * 1e3:.2f}" for k, v in result["stages"].items())
+                print(f"   {label}: {ms:.2f} ms ({parts})", file=sys.stderr)
+                if result["timeline_table"]:
+                    print(result["timeline_table"], file=sys.stderr)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(gpu=cuda),

@@ -168,6 +168,7 @@ class TrainerActor(RefitTrainerMixin):
         self.init_refit_source(self.model, devices=devices)
         self.hang_at: int | None = None
         self.reached_hang: anyio.Event | None = None
+        self._kept_weight: torch.nn.Parameter | None = None
 
     async def configure(self, devices: list[str] | None) -> None:
         """Serve ``devices`` from now on; the weights go back to the factory's."""
@@ -177,6 +178,18 @@ class TrainerActor(RefitTrainerMixin):
             for name, p in self.model.named_parameters():
                 p.copy_(fresh[name])
         self.init_refit_source(self.model, devices=devices)
+
+    async def reshape_first_weight(self, rows: int | None) -> None:
+        """Give the first layer's weight ``rows`` rows (zeros: the parameter set no longer
+        matches the workers'), or (``None``) its own weight back."""
+        await anyio.lowlevel.checkpoint()
+        layer = self.model.get_submodule("0")
+        if rows is None:
+            assert self._kept_weight is not None
+            layer.weight = self._kept_weight
+            return
+        kept = self._kept_weight = layer.get_parameter("weight")
+        layer.weight = torch.nn.Parameter(torch.zeros(rows, kept.shape[1]))
 
     async def hang_export_at(self, bucket: int) -> None:
         """Make the export of ``bucket`` hang (a trainer stuck mid-push)."""

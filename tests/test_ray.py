@@ -28,6 +28,7 @@ from asyncrefit import (  # noqa: E402
     AsyncRefitError,
     DeviceId,
     LocalTrainer,
+    ParameterMismatchError,
     PushError,
     RefitCoordinator,
     UnknownDeviceError,
@@ -35,6 +36,7 @@ from asyncrefit import (  # noqa: E402
     cpu_device,
 )
 from asyncrefit._exceptions import one_error, primary_error  # noqa: E402
+from asyncrefit.abc import RestoringWorker  # noqa: E402
 from asyncrefit.planning import plan_buckets  # noqa: E402
 from asyncrefit.ray import (  # noqa: E402
     AwaitableReturnedError,
@@ -277,6 +279,54 @@ async def test_actors_with_shared_parameters_are_written_directly(pool: Pool) ->
 
 
 @pytest.mark.slow
+async def test_actors_begun_ahead_keep_their_version_when_the_plan_no_longer_holds(
+    pool: Pool,
+) -> None:
+    """Two actors written directly by the trainer actor: a push begins them while it
+    reads the trainer. A parameter changed shape: the push raises the plan's error, the
+    begins are taken back (on the actors' streams) before any write, and both actors
+    hold version 2, bitwise; version 3 goes through once the shape is back."""
+    trainer = pool.trainers[0]
+    await trainer.configure.remote(None)
+    here = {"num_cpus": 0, "scheduling_strategy": on_node(pool.node)}
+    direct = [
+        ray.remote(InferenceActor).options(**here).remote(make_mlp, "cpu:0", True) for _ in range(2)
+    ]
+    try:
+        workers = await configure(direct, ["cpu:0", "cpu:1"])
+        assert all(isinstance(w, RestoringWorker) for w in workers)
+        source = RayTrainerSource(trainer, name="trainer")
+        async with RefitCoordinator(
+            trainer=source, workers=workers, budget_bytes=16 * KIB
+        ) as refit:
+            for version in (1, 2):  # the second begun ahead
+                await trainer.step.remote(version)
+                report = await refit.push(version)
+                assert report.bytes_per_transport == {"direct": 2 * report.bytes}
+            held = await trainer.digests.remote()
+            await trainer.reshape_first_weight.remote(255)
+            try:
+                with pytest.raises(ParameterMismatchError):
+                    await refit.push(3)
+            finally:
+                await trainer.reshape_first_weight.remote(None)
+            for w in workers:
+                assert await w.parameter_digests() == held, w.name
+                assert await w.weight_version() == 2, w.name
+            assert refit.versions() == {"w0": 2, "w1": 2}
+            await trainer.step.remote(3)
+            await refit.push(3)
+            await assert_hold(workers, trainer, 3)
+    finally:
+        pids = {d["pid"] for d in await info(direct)}
+        for actor in direct:  # a graceful exit: the actor unlinks its segment
+            actor.__ray_terminate__.remote()
+    deadline = time.monotonic() + 30
+    while segments_of(pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - /dev/shm
+        await anyio.sleep(0.1)
+    assert segments_of(pids) == []
+
+
 @pytest.mark.slow
 async def test_an_actor_killed_with_shared_parameters_has_its_segment_swept(pool: Pool) -> None:
     """An actor whose parameters live in a ``/dev/shm`` segment it created is killed

@@ -84,6 +84,8 @@ class StreamedWorker(Protocol):
 
     async def refit_abort(self, version: int) -> None: ...
 
+    async def refit_abort_unwritten(self, version: int) -> None: ...
+
     def _refit_stream_started(self) -> int: ...
 
     def _refit_stream_current(self, epoch: int) -> bool: ...
@@ -371,8 +373,9 @@ async def serve_stream(worker: StreamedWorker, host: str, port: int, token: byte
                 reply = await _answer(worker.refit_commit(v, n))
                 if not isinstance(reply, ErrorReply) and v == pending:
                     pending = None
-            case AbortUpdate(version=v):
-                reply = await _answer(worker.refit_abort(v))
+            case AbortUpdate(version=v, unwritten=unwritten):
+                abort = worker.refit_abort_unwritten(v) if unwritten else worker.refit_abort(v)
+                reply = await _answer(abort)
                 if not isinstance(reply, ErrorReply) and v == pending:
                     pending = None
             case _:

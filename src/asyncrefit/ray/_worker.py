@@ -44,6 +44,7 @@ WORKER_METHODS = (
     "refit_load",
     "refit_commit",
     "refit_abort",
+    "refit_abort_unwritten",
     "refit_weight_version",
     "refit_release_handles",
     "refit_digests",
@@ -272,6 +273,15 @@ class RefitWorkerMixin:
         lock, _ = self._refit_sync()
         async with lock:
             self.refit_receiver.abort(version)
+
+    async def refit_abort_unwritten(self, version: int) -> None:
+        """Give ``version`` up, begun direct, of which the coordinator says no byte was
+        written: the actor holds the version it held before the begin again. Then
+        :meth:`refit_abort` (an override of it applies)."""
+        lock, _ = self._refit_sync()
+        async with lock:
+            self.refit_receiver.state.unwritten(version)
+        await self.refit_abort(version)
 
     async def refit_stream(self, host: str, port: int, token: bytes) -> int:
         """Every push of one coordinator over a stream (what :class:`RayWorker` calls).
@@ -524,11 +534,19 @@ class RayWorker:
         self._pushing = None
 
     async def abort_update(self, version: int) -> None:
+        await self._abort(version, unwritten=False)
+
+    async def abort_unwritten(self, version: int) -> None:
+        """Abort ``version``, begun direct, before the trainer wrote any byte of it: the
+        actor holds the version it held before the begin again."""
+        await self._abort(version, unwritten=True)
+
+    async def _abort(self, version: int, *, unwritten: bool) -> None:
         stream = self._stream
         self._pushing = None
         if stream is not None and stream.usable:
             try:
-                await stream.finish(AbortUpdate(version=version))
+                await stream.finish(AbortUpdate(version=version, unwritten=unwritten))
                 return
             except WorkerError as exc:
                 if isinstance(exc, WorkerDiedError):
@@ -536,7 +554,7 @@ class RayWorker:
                 # the stream failed under the abort: confirm it by a call of its own
         elif stream is not None:
             await self._drop_stream("it failed")
-        await self._call("refit_abort", version)
+        await self._call("refit_abort_unwritten" if unwritten else "refit_abort", version)
 
     async def weight_version(self) -> int | None:
         result = await self._call("refit_weight_version")
