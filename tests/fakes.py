@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import anyio
 import torch
 
-from asyncrefit import DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError
+from asyncrefit import DeviceId, ParameterReceiver, ParamSpec, WorkerDiedError, cpu_device
 from asyncrefit._wire._messages import LoadBucket, encoded_size
 from asyncrefit.abc import BucketAck
 from asyncrefit.transport import Handle, Importer
@@ -219,3 +221,25 @@ class DirectFakeWorker(PlainDirectFakeWorker):
         await self._check_alive()
         self.calls.append(("abort_unwritten", version))
         self.receiver.abort_unwritten(version)
+
+
+W = TypeVar("W", bound=PlainDirectFakeWorker)
+
+
+@contextmanager
+def direct_workers(kind: type[W], model: torch.nn.Module, count: int) -> Iterator[list[W]]:
+    """``count`` direct workers of ``kind`` (``w<i>`` on ``cpu:<i>``) holding zeroed copies
+    of ``model``'s parameters; closed at the end."""
+    workers = [
+        kind(
+            name=f"w{i}",
+            device=cpu_device(i),
+            parameters={n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()},
+        )
+        for i in range(count)
+    ]
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            w.close()

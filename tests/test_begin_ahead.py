@@ -12,8 +12,8 @@ coordinator sees it), and the version's number stays free.
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 
 import anyio
 import pytest
@@ -24,14 +24,13 @@ from asyncrefit import (
     ParameterMismatchError,
     PushError,
     RefitCoordinator,
-    cpu_device,
 )
 from asyncrefit._worker._receiver import tensor_digest
 from asyncrefit.abc import RestoringWorker, SourceInfo
 from asyncrefit.events import PushBegun
 from asyncrefit.local import spawn_local_workers
 
-from .fakes import DirectFakeWorker, Faults, PlainDirectFakeWorker
+from .fakes import DirectFakeWorker, Faults, PlainDirectFakeWorker, direct_workers
 from .helpers import assert_hold, digests, no_loop_errors, own_segments, step
 from .models import make_mlp
 
@@ -55,24 +54,11 @@ class ReadTrainer(LocalTrainer):
         return await super().describe()
 
 
-@contextmanager
 def fakes(
     model: torch.nn.Module, count: int, *, restoring: bool = True
-) -> Iterator[list[PlainDirectFakeWorker]]:
+) -> AbstractContextManager[list[PlainDirectFakeWorker]]:
     kind = DirectFakeWorker if restoring else PlainDirectFakeWorker
-    workers: list[PlainDirectFakeWorker] = [
-        kind(
-            name=f"w{i}",
-            device=cpu_device(i),
-            parameters={n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()},
-        )
-        for i in range(count)
-    ]
-    try:
-        yield workers
-    finally:
-        for w in workers:
-            w.close()
+    return direct_workers(kind, model, count)
 
 
 def layer(model: torch.nn.Module, index: int) -> torch.nn.Linear:

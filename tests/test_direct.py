@@ -15,8 +15,8 @@ import dataclasses
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
@@ -47,7 +47,7 @@ from asyncrefit.transport.destinations import (
 )
 from asyncrefit.transport.shm import list_segments
 
-from .fakes import DirectFakeWorker, FakeWorker
+from .fakes import DirectFakeWorker, FakeWorker, direct_workers
 from .helpers import assert_hold, child_pids, digests, no_loop_errors, own_segments, step
 from .models import make_mlp, make_mlp_bf16
 from .test_cancellation import cancel_at_every_point, check_clean, push_cancelled_after
@@ -66,22 +66,11 @@ async def loop_errors_fail_the_test() -> AsyncIterator[None]:
         yield
 
 
-@contextmanager
-def direct_fakes(model: torch.nn.Module, count: int) -> Iterator[list[DirectFakeWorker]]:
+def direct_fakes(
+    model: torch.nn.Module, count: int
+) -> AbstractContextManager[list[DirectFakeWorker]]:
     """``count`` direct workers holding zeroed copies of ``model``'s parameters."""
-    workers = [
-        DirectFakeWorker(
-            name=f"w{i}",
-            device=cpu_device(i),
-            parameters={n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()},
-        )
-        for i in range(count)
-    ]
-    try:
-        yield workers
-    finally:
-        for w in workers:
-            w.close()
+    return direct_workers(DirectFakeWorker, model, count)
 
 
 def test_local_trainer_writes_and_local_workers_export() -> None:

@@ -162,6 +162,17 @@ async def info(actors: list[Remote]) -> list[dict[str, Any]]:
     return [await a.info.remote() for a in actors]
 
 
+async def end_gracefully(actors: list[Remote]) -> None:
+    """End ``actors`` gracefully: each unlinks its segment; none is left after 30 s."""
+    pids = {d["pid"] for d in await info(actors)}
+    for actor in actors:
+        actor.__ray_terminate__.remote()
+    deadline = time.monotonic() + 30
+    while segments_of(pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - /dev/shm
+        await anyio.sleep(0.1)
+    assert segments_of(pids) == []
+
+
 async def assert_hold(workers: list[RayWorker], trainer: Remote, version: int) -> None:
     want = await trainer.digests.remote()
     for w in workers:
@@ -269,13 +280,7 @@ async def test_actors_with_shared_parameters_are_written_directly(pool: Pool) ->
         assert all(d["handle_devices"] == [] for d in details)  # never sent a bucket
         assert all(d["warnings"] == [] for d in details)
     finally:
-        pids = {d["pid"] for d in await info(direct)}
-        for actor in direct:  # a graceful exit: the actor unlinks its segment
-            actor.__ray_terminate__.remote()
-    deadline = time.monotonic() + 30
-    while segments_of(pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - /dev/shm
-        await anyio.sleep(0.1)
-    assert segments_of(pids) == []
+        await end_gracefully(direct)
 
 
 @pytest.mark.slow
@@ -318,13 +323,7 @@ async def test_actors_begun_ahead_keep_their_version_when_the_plan_no_longer_hol
             await refit.push(3)
             await assert_hold(workers, trainer, 3)
     finally:
-        pids = {d["pid"] for d in await info(direct)}
-        for actor in direct:  # a graceful exit: the actor unlinks its segment
-            actor.__ray_terminate__.remote()
-    deadline = time.monotonic() + 30
-    while segments_of(pids) and time.monotonic() < deadline:  # noqa: ASYNC110 - /dev/shm
-        await anyio.sleep(0.1)
-    assert segments_of(pids) == []
+        await end_gracefully(direct)
 
 
 @pytest.mark.slow
