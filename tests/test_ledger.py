@@ -30,6 +30,29 @@ def member(name: str) -> Member:
     return Member(name=name, worker=object(), device=DEVICE, specs=())  # type: ignore[arg-type]
 
 
+def test_begins_taken_back_restore_versions_and_free_the_number() -> None:
+    ledger = Ledger()
+    a, b = member("a"), member("b")
+    ledger.admit(a)
+    ledger.admit(b)
+    ledger.begin(1)
+    ledger.committed(a, 1)
+    ledger.committed(b, 1)
+    ledger.complete(1)
+    ledger.begin(2)
+    assert ledger.versions() == {"a": None, "b": None}
+    ledger.restored(a)  # a confirmed: it holds 1 again
+    assert ledger.versions() == {"a": 1, "b": None}
+    ledger.restored(b)
+    ledger.take_back(2)  # nothing of 2 anywhere: the number is free
+    assert ledger.versions() == {"a": 1, "b": 1}
+    ledger.begin(2)
+    ledger.restored(a)  # b did not confirm: 2 stays used
+    with pytest.raises(VersionError):
+        ledger.check_version(2)
+    assert ledger.versions() == {"a": 1, "b": None}
+
+
 def test_members_are_told_apart_by_identity_not_name() -> None:
     ledger = Ledger()
     ledger.reset_slots(1)
