@@ -33,7 +33,7 @@ from asyncrefit import (
     WorkerTimeoutError,
     cpu_device,
 )
-from asyncrefit.abc import DirectWorker, WritingSource
+from asyncrefit.abc import DirectWorker, WriteGate, WritingSource
 from asyncrefit.events import BucketPacked, PushEvent
 from asyncrefit.local import spawn_local_workers
 from asyncrefit.planning import Bucket
@@ -157,13 +157,20 @@ async def test_a_source_is_called_once_per_push_for_a_set_under_the_write_batch(
     model = make_mlp()
     source = LocalTrainer(model)
     calls: list[int] = []
-    write = source.write
+    write, write_gated = source.write, source.write_gated
 
     async def counted(buckets: Sequence[Bucket], workers: Sequence[str]) -> None:
         calls.append(len(buckets))
         await write(buckets, workers)
 
+    async def counted_gated(
+        buckets: Sequence[Bucket], workers: Sequence[str], gate: WriteGate
+    ) -> bool:
+        calls.append(len(buckets))
+        return await write_gated(buckets, workers, gate)
+
     source.write = counted  # type: ignore[method-assign]
+    source.write_gated = counted_gated  # type: ignore[method-assign]
     with direct_fakes(model, 2) as workers:
         async with RefitCoordinator(trainer=source, workers=workers, budget_bytes=8 * KIB) as refit:
             assert refit.plan is not None

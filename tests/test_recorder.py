@@ -68,8 +68,9 @@ def test_a_committed_push_reports_every_stage_and_emits_in_order() -> None:
     hub, seen = listening()
     rec = PushRecorder(hub, 7, clock=Clock())  # started = 0
     rec.planned(["a", "b"])  # 1: plan 1 s
-    with rec.beginning(TOPOLOGY):  # 2 .. 3, PushBegun at 4
+    with rec.beginning():  # 2 .. 3
         pass
+    rec.begun(TOPOLOGY)  # PushBegun at 4
     with rec.waiting_for_budget():  # 5 .. 6
         pass
     first = rec.bucket(0, slot=1, payload=200)
@@ -114,7 +115,7 @@ def test_a_stage_that_raises_is_not_tallied_and_the_error_passes_untouched() -> 
     rec.planned(["a"])
     error = KeyboardInterrupt()  # a BaseException, as a cancellation is
     with pytest.raises(KeyboardInterrupt) as raised:
-        with rec.beginning(TOPOLOGY):
+        with rec.beginning():
             raise error
     assert raised.value is error
     bucket = rec.bucket(0, slot=0, payload=10)
@@ -146,8 +147,9 @@ def test_nobody_listening_builds_no_event_but_still_tallies(
         monkeypatch.setattr(recorder_module, name, refuse)
     rec = PushRecorder(EventHub(), 1, clock=Clock())
     rec.planned(["a"])
-    with rec.beginning(TOPOLOGY):
+    with rec.beginning():
         pass
+    rec.begun(TOPOLOGY)
     bucket = rec.bucket(0, slot=0, payload=10)
     with bucket.packing():
         pass

@@ -13,6 +13,7 @@ from .transport._base import Handle
 
 if TYPE_CHECKING:
     from ._core._plan import Bucket, Plan
+    from ._gate import WriteGate
     from .transport.destinations import Destinations
 
 
@@ -220,3 +221,25 @@ class WritingSource(TrainerSource, Protocol):
     async def flush(self, *, wait: bool = True) -> None: ...
 
     async def detach(self, worker: str) -> None: ...
+
+
+@runtime_checkable
+class GatedWritingSource(WritingSource, Protocol):
+    """A :class:`WritingSource` that takes a push's first write before its workers began.
+
+    ``write_gated(buckets, workers, gate)`` is ``write(buckets, workers)``, called
+    while the workers may still be beginning and the trainer's tensors not yet read
+    (:meth:`~TrainerSource.describe`): the source hands it to its thread, which waits
+    for ``gate`` and writes nothing before the push opens it
+    (:meth:`WriteGate.wait <asyncrefit.abc.WriteGate.wait>` returns ``True``: every
+    worker began, and the tensors read match the plan). It returns ``True`` once it
+    wrote, as ``write`` does; ``False`` if the push shut the gate instead (the plan no
+    longer holds, or the push failed or was cancelled first), with nothing written.
+    The first write then starts as soon as the last begin is answered, not a hand-off
+    to a thread later. The push opens or shuts the gate in every case (also when the
+    call is cancelled), so waiting for it cannot hang.
+    """
+
+    async def write_gated(
+        self, buckets: Sequence[Bucket], workers: Sequence[str], gate: WriteGate
+    ) -> bool: ...

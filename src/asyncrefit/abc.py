@@ -10,7 +10,9 @@ the plan a worker is handed). The bundled backends (``asyncrefit.local``,
 ``asyncrefit.ray``, ``asyncrefit.vllm``, ``asyncrefit.trainer``) implement them too.
 """
 
+from ._gate import WriteGate as WriteGate
 from ._protocols import DirectWorker as DirectWorker
+from ._protocols import GatedWritingSource as GatedWritingSource
 from ._protocols import OrderedSource as OrderedSource
 from ._protocols import PushEndingSource as PushEndingSource
 from ._protocols import RestoringWorker as RestoringWorker
@@ -30,6 +32,7 @@ __all__ = (
     "BucketAck",
     "DirectWorker",
     "Exporter",
+    "GatedWritingSource",
     "Handle",
     "Importer",
     "OrderedSource",
@@ -40,6 +43,7 @@ __all__ = (
     "TrainerSource",
     "TransmittingSource",
     "Worker",
+    "WriteGate",
     "WritingSource",
 )
 

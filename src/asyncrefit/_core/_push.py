@@ -59,7 +59,14 @@ from .._exceptions import (
     WorkerTimeoutError,
     primary_error,
 )
-from .._protocols import OrderedSource, PushEndingSource, RestoringWorker, TransmittingSource
+from .._gate import WriteGate
+from .._protocols import (
+    GatedWritingSource,
+    OrderedSource,
+    PushEndingSource,
+    RestoringWorker,
+    TransmittingSource,
+)
 from .._wire._errors import WORKER, map_exceptions, raised_errors
 
 if TYPE_CHECKING:
@@ -131,6 +138,21 @@ async def _each(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> N
     async with anyio.create_task_group() as tg:
         for call in calls:
             tg.start_soon(call)
+
+
+async def _each_result(calls: Sequence[Callable[[], Coroutine[Any, Any, T]]]) -> list[T]:
+    """:func:`_each`, keeping what each call returned (in the order of ``calls``)."""
+    results: list[T] = []
+    if len(calls) == 1:
+        results.append(await calls[0]())
+        return results
+    slots: dict[int, T] = {}
+
+    async def one(k: int) -> None:
+        slots[k] = await calls[k]()
+
+    await _each([partial(one, k) for k in range(len(calls))])
+    return [slots[k] for k in range(len(calls))]
 
 
 async def call_worker(
@@ -254,7 +276,10 @@ class Push:
         # slot -> the tokens of the workers' acks for the bucket last in it (ordered handles)
         self._copied: dict[int, dict[Member, bytes]] = {}
         self._begun = anyio.Event()  # every worker began: buckets may be sent
-        self._written = False  # a direct write was issued: no begin can be taken back
+        self._held = True  # the plan holds for the trainer's tensors (see _read_ahead)
+        self._read = anyio.Event()  # _held is known (set now unless the push reads ahead)
+        self._announced = False  # PushBegun was emitted
+        self._written = False  # a direct write may be issued: no begin can be taken back
         self._restored: set[Member] = set()  # took the begin back: hold what they held
         self._abort_errors: dict[Member, Exception] = {}  # aborts not confirmed
 
@@ -281,9 +306,7 @@ class Push:
         self._recorder.planned(m.name for m in self.members)
         self._load_sizes.next_push()
         try:
-            if current is not None:
-                await self._begin_ahead(current)
-            await self._transfer()
+            await self._transfer(current)
         except _NotCurrent as stale:
             await self.take_back()
             if stale.error is not None:
@@ -307,25 +330,34 @@ class Push:
         self._ledger.complete(self.version)
         return self._recorder.committed(self.topology, self._budget.statistics().peak)
 
-    async def _begin_ahead(self, current: Callable[[], Awaitable[bool]]) -> None:
-        """Begin every worker while ``current()`` runs; raise :class:`_NotCurrent`
-        once they all began if it said no or raised (a failed begin raises itself)."""
-        held = False
+    async def _read_ahead(self, current: Callable[[], Awaitable[bool]]) -> _NotCurrent | None:
+        """Run ``current()`` while the workers begin: ``None`` if the plan holds, else
+        (it said no or raised) :class:`_NotCurrent`, once every worker began (a failed
+        begin raises itself)."""
+        # The read runs in this task, mostly without yielding: first let the begins go
+        # out (a few scheduling rounds take each begin to its request, and the first
+        # write to its source), so that the workers answer while the trainer is read.
+        for _ in range(_ROUNDS_BEFORE_READ):
+            await anyio.lowlevel.checkpoint()
         error: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(partial(self._begin_all, announce=False))
-            # The read runs in this task, mostly without yielding: first let the begins
-            # go out (a few scheduling rounds take each begin to its request), so that
-            # the workers answer while the trainer is read.
-            for _ in range(_ROUNDS_BEFORE_READ):
-                await anyio.lowlevel.checkpoint()
-            try:
-                held = await current()
-            except Exception as exc:
-                error = exc
-        if not held or error is not None:
-            raise _NotCurrent(error)
-        self._recorder.begun(self.topology)
+        try:
+            self._held = await current()
+        except Exception as exc:
+            error = exc
+        if error is not None:
+            self._held = False
+        self._read.set()
+        if not self._held:
+            await self._begun.wait()  # every begin answered: each can be taken back
+            return _NotCurrent(error)
+        self._announce()
+        return None
+
+    def _announce(self) -> None:
+        """Emit :class:`PushBegun` once every worker began and the plan is known to hold."""
+        if self._begun.is_set() and self._read.is_set() and self._held and not self._announced:
+            self._announced = True
+            self._recorder.begun(self.topology)
 
     async def take_back(self) -> None:
         """Take back the begins of a push that wrote nothing: abort every worker it
@@ -347,13 +379,22 @@ class Push:
             raise PushError(self.version, cause, incomplete, name) from cause
         self._ledger.take_back(self.version)
 
-    async def _transfer(self) -> None:
+    async def _transfer(self, current: Callable[[], Awaitable[bool]] | None = None) -> None:
+        if current is None:
+            self._read.set()
         if not self.topology.exporting_sources:
-            # Every worker is written directly: begin, write, commit, one after the
-            # other in this task (no task hop between them: the devices wait meanwhile).
-            if not self._begun.is_set():
-                await self._begin_all()
-            await self._write_direct()
+            # Every worker is written directly: begin, write, commit. The writes wait
+            # for every begin (the first one at a gate, handed to its source at once,
+            # see _write_direct); with ``current`` the trainer is read meanwhile, and
+            # nothing is written unless the plan holds.
+            stale = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._begin_all)
+                tg.start_soon(self._write_direct)
+                if current is not None:
+                    stale = await self._read_ahead(current)
+            if stale is not None:
+                raise stale
         else:
             await self._transfer_staged()
         with self._recorder.committing():
@@ -375,11 +416,12 @@ class Push:
                 after, exported = exported, anyio.Event()
                 tg.start_soon(self.send_bucket, bucket, slot, after, exported)
 
-    async def _begin_all(self, *, announce: bool = True) -> None:
+    async def _begin_all(self) -> None:
         self._touched.update(self.members)  # an abort must reach every one of them
-        with self._recorder.beginning(self.topology, announce=announce):
+        with self._recorder.beginning():
             await self._each_member(self.members, self._begin, self._begin_call)
         self._begun.set()
+        self._announce()
 
     def _begin_call(self, member: Member) -> str:
         return "begin_direct" if member in self.topology.direct else "begin_update"
@@ -395,13 +437,18 @@ class Push:
 
     async def _write_direct(self) -> None:
         """Have each source write every bucket into its direct members, in plan order,
-        once every worker began; then end the writes issued on a device (a worker
-        that exported a completion event waits for it itself, at its commit).
+        once every worker began and the plan is known to hold (nothing, if it does
+        not); then end the writes issued on a device (a worker that exported a
+        completion event waits for it itself, at its commit).
 
         Consecutive buckets go to a source together, up to ``write_batch_bytes`` of
         payload a call (at least one bucket): a remote source is called once per
         batch, not per bucket. A source materialises one bucket at a time (a cast, a
-        conversion), so the budget bounds that whatever the batch.
+        conversion), so the budget bounds that whatever the batch. When every source
+        takes a gated write (:class:`~asyncrefit.abc.GatedWritingSource`), the first
+        batch goes to them at once, held at a gate the push opens then
+        (:meth:`_write_first`): the hand-off to a source's thread overlaps the begins
+        and the read instead of following them.
         """
         groups = self.topology.direct_groups()
         if not groups:
@@ -410,10 +457,18 @@ class Push:
         sources = {i: cast("WritingSource", self._sources[i]) for i in groups}
         names = {i: [m.name for m in ms] for i, ms in groups.items()}
         count = sum(len(ms) for ms in groups.values())
-        if not self._begun.is_set():
+        batches = write_batches(self.topology.plan.buckets, self._options.write_batch_bytes)
+        if all(isinstance(s, GatedWritingSource) for s in sources.values()):
+            if not await self._write_first(batches[0], sources, names, count):
+                return  # the plan no longer holds: nothing was written
+            batches = batches[1:]
+        else:
+            await self._read.wait()
             await self._begun.wait()
-        self._written = True  # from here on the workers' memory may change
-        for batch in write_batches(self.topology.plan.buckets, self._options.write_batch_bytes):
+            if not self._held:
+                return
+            self._written = True  # from here on the workers' memory may change
+        for batch in batches:
             records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in batch]
             with self._recorder.writing(records, "direct", count):
                 await _each([partial(s.write, batch, names[i]) for i, s in sources.items()])
@@ -422,6 +477,55 @@ class Push:
         # devices of the others are waited for here.
         with self._recorder.writing((), "direct", count):
             await _each([partial(s.flush, wait=False) for s in sources.values()])
+
+    async def _write_first(
+        self,
+        batch: tuple[Bucket, ...],
+        sources: dict[int, WritingSource],
+        names: dict[int, list[str]],
+        count: int,
+    ) -> bool:
+        """Hand ``batch`` to every source before the workers began, behind one gate:
+        opened once they all began and the plan holds, shut if it does not, or if the
+        push fails or is cancelled first (the sources then write nothing and return).
+        Whether it was written."""
+        gate = WriteGate()
+        records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in batch]
+        with self._recorder.writing(records, "direct", count) as timer:
+
+            async def open_when_begun() -> None:
+                try:
+                    await self._read.wait()
+                    if self._held:
+                        await self._begun.wait()
+                        self._written = True  # from here on the workers' memory may change
+                        timer.restart()  # the writes' time starts at the gate
+                        gate.open()
+                finally:
+                    gate.shut()  # not held, or cancelled first: nothing is written
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(open_when_begun)
+                written = await _each_result(
+                    [
+                        partial(cast("GatedWritingSource", s).write_gated, batch, names[i], gate)
+                        for i, s in sources.items()
+                    ]
+                )
+            if not all(written):
+                # A gate shut by a cancellation: the writes were not cancellable (each
+                # waited in its source's thread), the cancellation is delivered here.
+                await anyio.lowlevel.checkpoint()
+                if not self._held:
+                    timer.discard()  # nothing was written
+                    return False
+                # The gate was open: a source that breaks its contract.
+                source = next(i for i, wrote in zip(sources, written, strict=True) if not wrote)
+                raise TransportError(
+                    f"trainer source {self.topology.infos[source].name!r} wrote nothing of "
+                    f"bucket {batch[0].index} though every worker began"
+                )
+        return True
 
     async def _commit(self, member: Member) -> None:
         worker, version, buckets = member.worker, self.version, len(self.topology.plan.buckets)

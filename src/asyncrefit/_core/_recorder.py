@@ -97,6 +97,25 @@ class _PushAccount:
         )
 
 
+class WriteTimer:
+    """When a block of direct writes started (see :meth:`PushRecorder.writing`)."""
+
+    __slots__ = ("_clock", "discarded", "start")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.start = clock()
+        self.discarded = False
+
+    def restart(self) -> None:
+        """The writes start now (the block waited until here)."""
+        self.start = self._clock()
+
+    def discard(self) -> None:
+        """Nothing was written after all: the block is not tallied."""
+        self.discarded = True
+
+
 class PushRecorder:
     """The clock, events and account of one push of ``version``.
 
@@ -123,14 +142,12 @@ class PushRecorder:
         self.account.handle_bytes = dict.fromkeys(self._workers, 0)
 
     @contextmanager
-    def beginning(self, topology: Topology, *, announce: bool = True) -> Iterator[None]:
-        """Time the block that tells every worker to begin; then :class:`PushBegun`
-        (``announce=False``: later, by :meth:`begun`, once the plan is known to hold)."""
+    def beginning(self) -> Iterator[None]:
+        """Time the block that tells every worker to begin (:meth:`begun` follows, once
+        the plan is also known to hold)."""
         t = self._clock()
         yield
         self.account.begin = self._clock() - t
-        if announce:
-            self.begun(topology)
 
     def begun(self, topology: Topology) -> None:
         """Emit :class:`PushBegun`: every worker began, following ``topology``."""
@@ -158,17 +175,23 @@ class PushRecorder:
         return BucketRecorder(self, index, slot, payload)
 
     @contextmanager
-    def writing(self, buckets: Sequence[BucketRecorder], kind: str, workers: int) -> Iterator[None]:
+    def writing(
+        self, buckets: Sequence[BucketRecorder], kind: str, workers: int
+    ) -> Iterator[WriteTimer]:
         """Time the block that writes ``buckets`` directly into ``workers`` workers
         (transport ``kind``): once into the pack stage, then a :class:`BucketPacked`
-        per bucket and its bytes per worker."""
-        t = self._clock()
-        yield
+        per bucket and its bytes per worker. The block may move its start later
+        (:meth:`WriteTimer.restart`: a write that waited for the workers to begin), or
+        discard itself (:meth:`WriteTimer.discard`: nothing was written)."""
+        timer = WriteTimer(self._clock)
+        yield timer
+        if timer.discarded:
+            return
         done = self._clock()
-        self.account.pack += done - t
+        self.account.pack += done - timer.start
         for record in buckets:
             record.written(kind, workers)
-            record.packed(t, done)
+            record.packed(timer.start, done)
 
     @contextmanager
     def committing(self) -> Iterator[None]:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._core._plan import Bucket, Plan, TensorEntry
+    from .._gate import WriteGate
     from ..transport.destinations import Destinations
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,18 @@ class DirectWriter:
         tensor that cannot be written raises :class:`~asyncrefit.PackError` naming it.
         """
         await anyio.to_thread.run_sync(
-            self._write_all, tuple(buckets), tuple(workers), limiter=self._limiter
+            self._write_all, tuple(buckets), tuple(workers), None, limiter=self._limiter
+        )
+
+    async def write_gated(
+        self, buckets: Sequence[Bucket], workers: Sequence[str], gate: WriteGate
+    ) -> bool:
+        """:meth:`write`, handed to the source's thread before the workers began (and
+        before the push read the trainer's tensors): the thread waits for ``gate``,
+        then writes at once. ``False``, with nothing written, if the gate is shut (see
+        :class:`~asyncrefit.abc.GatedWritingSource`)."""
+        return await anyio.to_thread.run_sync(
+            self._write_all, tuple(buckets), tuple(workers), gate, limiter=self._limiter
         )
 
     async def flush(self, *, wait: bool = True) -> None:
@@ -160,10 +172,20 @@ class DirectWriter:
             await anyio.to_thread.run_sync(_end_writes, attached, wait, limiter=self._limiter)
         self._unended.clear()
 
-    def _write_all(self, buckets: tuple[Bucket, ...], workers: tuple[str, ...]) -> None:
+    def _write_all(
+        self, buckets: tuple[Bucket, ...], workers: tuple[str, ...], gate: WriteGate | None
+    ) -> bool:
+        """Write every bucket (after ``gate`` opened, if any: ``False`` if it was shut).
+
+        The gate is waited for first: the trainer's tensors to write are those the
+        push read, which it may not have read yet.
+        """
+        if gate is not None and not gate.wait():
+            return False  # nothing was written
         self._unended.update(workers)
         for bucket in buckets:
-            self._write(bucket, workers)
+            with self._buffer_lock:
+                self._issue(bucket, self._prepare(bucket, workers))
         with self._buffer_lock:
             for worker in workers:
                 opened = self._attached.get(worker)
@@ -172,37 +194,49 @@ class DirectWriter:
                 on_gpu = opened.device is not None and opened.device.type == "cuda"
                 if not on_gpu or opened.mark():
                     self._unended.discard(worker)
+        return True
 
-    def _write(self, bucket: Bucket, workers: tuple[str, ...]) -> None:
+    def _prepare(self, bucket: Bucket, workers: tuple[str, ...]) -> _Prepared:
+        """What writing ``bucket`` into ``workers`` takes: every place (known from an
+        earlier push, or found now), whether one ``_foreach_copy_`` writes them all, the
+        trainer's tensors and the block of one written into each place (under the
+        buffer lock)."""
         import torch
 
-        with self._buffer_lock:
-            key = (bucket.index, workers)
-            known = self._targets.get(key)
-            if known is None:
-                places = self._places(bucket, workers)
-                known = self._targets[key] = (places, _one_call(places))
-            targets, one_call = known
-            sources = self._sources(bucket, self._read())
-            with torch.no_grad():
-                plain = [_block(sources[i], box) for _, i, box in targets]
-                if one_call and all(isinstance(t, torch.Tensor) for t in plain):
-                    try:
-                        torch._foreach_copy_([d for d, _, _ in targets], plain)  # type: ignore[arg-type]
-                        return
-                    except Exception:
-                        pass  # one by one below: the failure then names its parameter
-                entries, done = bucket.entries, 0
+        key = (bucket.index, workers)
+        known = self._targets.get(key)
+        if known is None:
+            places = self._places(bucket, workers)
+            known = self._targets[key] = (places, _one_call(places))
+        targets, one_call = known
+        sources = self._sources(bucket, self._read())
+        with torch.no_grad():
+            plain = [_block(sources[i], box) for _, i, box in targets]
+        return targets, one_call, sources, plain
+
+    def _issue(self, bucket: Bucket, prepared: _Prepared) -> None:
+        """Write what :meth:`_prepare` found (under the buffer lock)."""
+        import torch
+
+        targets, one_call, sources, plain = prepared
+        with torch.no_grad():
+            if one_call and all(isinstance(t, torch.Tensor) for t in plain):
                 try:
-                    for (dst, i, box), source in zip(targets, plain, strict=True):
-                        if box is not None and source is sources[i]:  # a block to cut
-                            source = self._materialized(sources[i], dst.device, entries[i].name)
-                            source = source[box]
-                        self._copy_into(dst, source, entries[i].name)
-                        done += 1
+                    torch._foreach_copy_([d for d, _, _ in targets], plain)  # type: ignore[arg-type]
+                    return
                 except Exception:
-                    with self._packing(bucket.index, entries[targets[done][1]]):
-                        raise
+                    pass  # one by one below: the failure then names its parameter
+            entries, done = bucket.entries, 0
+            try:
+                for (dst, i, box), source in zip(targets, plain, strict=True):
+                    if box is not None and source is sources[i]:  # a block to cut
+                        source = self._materialized(sources[i], dst.device, entries[i].name)
+                        source = source[box]
+                    self._copy_into(dst, source, entries[i].name)
+                    done += 1
+            except Exception:
+                with self._packing(bucket.index, entries[targets[done][1]]):
+                    raise
 
     def _sources(
         self, bucket: Bucket, tensors: Mapping[str, torch.Tensor]
@@ -252,6 +286,10 @@ class DirectWriter:
 #: the block of the entry's tensor (as sent: rows of a part) written there (``None``:
 #: all of it).
 Target = tuple["torch.Tensor", int, "tuple[slice, ...] | None"]
+
+#: A bucket's write, found and not issued: its targets, whether one ``_foreach_copy_``
+#: writes them, the trainer's tensor of each entry, and the block of one for each target.
+_Prepared = tuple[list[Target], bool, list["torch.Tensor | Lazy"], list["torch.Tensor | Lazy"]]
 
 
 def _cut(
