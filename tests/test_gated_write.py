@@ -5,16 +5,19 @@ as :class:`~asyncrefit.LocalTrainer` does) hands its first write to them while t
 workers are still beginning, so the write starts as soon as the last begin is
 answered. The tests hold a worker's begin and check that the write was handed over,
 that nothing was written meanwhile (invariant 3: no write before every begin), that it
-goes on once the begin is answered, and that a push cancelled or failed at the gate
-writes nothing, returns, and leaves every worker its version.
+goes on once the begin is answered, that a push cancelled or failed at the gate
+writes nothing, returns, and leaves every worker its version, and that one cancelled
+while it writes stops before the next bucket.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import pytest
@@ -200,6 +203,50 @@ async def test_a_begin_refused_at_the_gate_writes_nothing() -> None:
             assert all(w.equals(held_model) for w in workers)
             assert refit.versions() == {"w0": 1, "w1": 1, "w2": 1}
             workers[2].held = None
+            await refit.push(3)
+            assert all(w.equals(model) for w in workers)
+    assert own_segments() == []
+
+
+async def test_a_push_cancelled_while_it_writes_stops_at_the_next_bucket() -> None:
+    """Every bucket goes to the trainer in one call; cancelled after the first bucket
+    was written, the trainer writes no further bucket, the push aborts the workers,
+    and the next push gives them a complete version."""
+    model = make_mlp()
+    trainer = LocalTrainer(model)
+    gates = gates_of(trainer)
+    issued: list[int] = []
+    first_issued, go_on = threading.Event(), threading.Event()
+    issue = trainer._issue
+
+    def counted(bucket: Bucket, prepared: Any) -> None:
+        issue(bucket, prepared)
+        issued.append(bucket.index)
+        if len(issued) == 1:
+            first_issued.set()
+            go_on.wait(10)
+
+    with fakes(model, 2, restoring=True) as workers:
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=16 * KIB
+        ) as refit:
+            assert refit.plan is not None and len(refit.plan.buckets) > 2
+            step(model, 1)
+            await refit.push(1)
+            trainer._issue = counted  # type: ignore[method-assign]
+            step(model, 2)
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(refit.push, 2)
+                    await until(first_issued.is_set, "the first bucket's write")
+                    tg.cancel_scope.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await until(lambda: gates[-1].stopped, "the gate to stop")
+                        go_on.set()
+            assert issued == [0]  # no further bucket
+            assert refit.versions() == {"w0": None, "w1": None}
+            trainer._issue = issue  # type: ignore[method-assign]
+            step(model, 3)
             await refit.push(3)
             assert all(w.equals(model) for w in workers)
     assert own_segments() == []

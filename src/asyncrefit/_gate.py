@@ -6,25 +6,30 @@ import threading
 
 
 class WriteGate:
-    """A one-shot gate between a push (on its event loop) and a source's thread.
+    """A gate between a push (on its event loop) and a source's thread.
 
-    A push hands its first direct write to a source (a
+    A push hands its direct writes to a source (a
     :class:`~asyncrefit.abc.GatedWritingSource`) while its workers are still
-    beginning: the source gets ready (its thread, the tensors to write, where they go)
-    and :meth:`wait` blocks that thread until the push opens the gate (every worker
-    began: the writes may go) or shuts it (the push failed or was cancelled first:
-    nothing may be written). The push opens or shuts each gate exactly once, from its
-    event loop; :meth:`wait` may be called from any thread, any number of times.
+    beginning: :meth:`wait` blocks the source's thread until the push opens the gate
+    (every worker began and the plan holds: the writes may go) or shuts it (nothing may
+    be written). Shut after it opened (the push failed or was cancelled meanwhile), the
+    gate is :attr:`stopped`: the source writes no further bucket. The push opens it at
+    most once and shuts it in every case, from its event loop; the source's thread
+    reads it, from any thread, any number of times.
     """
 
-    __slots__ = ("_decided", "_open")
+    __slots__ = ("_decided", "_open", "_stopped")
 
     def __init__(self) -> None:
         self._decided = threading.Event()
         self._open = False
+        self._stopped = False
 
     def __repr__(self) -> str:
-        state = "open" if self._open else "shut" if self._decided.is_set() else "pending"
+        if self._open:
+            state = "stopped" if self._stopped else "open"
+        else:
+            state = "shut" if self._decided.is_set() else "pending"
         return f"<WriteGate {state}>"
 
     @property
@@ -39,8 +44,15 @@ class WriteGate:
             self._decided.set()
 
     def shut(self) -> None:
-        """Let nothing be written (unless the gate was opened already)."""
+        """Let nothing be written; once open, no further bucket (:attr:`stopped`)."""
+        if self._open:
+            self._stopped = True
         self._decided.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the gate was shut after it opened: write no further bucket."""
+        return self._stopped
 
     def wait(self) -> bool:
         """Block until the gate is decided: ``True`` if the writes may go."""

@@ -225,19 +225,22 @@ class WritingSource(TrainerSource, Protocol):
 
 @runtime_checkable
 class GatedWritingSource(WritingSource, Protocol):
-    """A :class:`WritingSource` that takes a push's first write before its workers began.
+    """A :class:`WritingSource` that takes a push's writes before its workers began.
 
     ``write_gated(buckets, workers, gate)`` is ``write(buckets, workers)``, called
     while the workers may still be beginning and the trainer's tensors not yet read
-    (:meth:`~TrainerSource.describe`): the source hands it to its thread, which waits
-    for ``gate`` and writes nothing before the push opens it
-    (:meth:`WriteGate.wait <asyncrefit.abc.WriteGate.wait>` returns ``True``: every
-    worker began, and the tensors read match the plan). It returns ``True`` once it
-    wrote, as ``write`` does; ``False`` if the push shut the gate instead (the plan no
-    longer holds, or the push failed or was cancelled first), with nothing written.
-    The first write then starts as soon as the last begin is answered, not a hand-off
-    to a thread later. The push opens or shuts the gate in every case (also when the
-    call is cancelled), so waiting for it cannot hang.
+    (:meth:`~TrainerSource.describe`), with every bucket of the push: the source hands
+    it to its thread, which waits for ``gate`` and writes nothing before the push opens
+    it (:meth:`WriteGate.wait <asyncrefit.abc.WriteGate.wait>` returns ``True``: every
+    worker began, and the tensors read match the plan), then writes bucket after
+    bucket, materialising one at a time, and stops before the next bucket once the
+    gate is :attr:`~asyncrefit.abc.WriteGate.stopped` (the push failed or was cancelled
+    meanwhile). It returns ``True`` once it wrote every bucket, as ``write`` does;
+    ``False`` if the gate was shut first (the plan no longer holds, or the push failed
+    or was cancelled: nothing written) or stopped. The first write starts as soon as
+    the last begin is answered, without a hand-off to a thread after it, and the
+    writes go on without one between buckets. The push opens or shuts the gate in
+    every case (also when the call is cancelled), so waiting for it cannot hang.
     """
 
     async def write_gated(

@@ -453,10 +453,10 @@ class Push:
         payload a call (at least one bucket): a remote source is called once per
         batch, not per bucket. A source materialises one bucket at a time (a cast, a
         conversion), so the budget bounds that whatever the batch. When every source
-        takes a gated write (:class:`~asyncrefit.abc.GatedWritingSource`), the first
-        batch goes to them at once, held at a gate the push opens then
-        (:meth:`_write_first`): the hand-off to a source's thread overlaps the begins
-        and the read instead of following them.
+        takes gated writes (:class:`~asyncrefit.abc.GatedWritingSource`), every bucket
+        goes to them at once, in one call, held at a gate the push opens then
+        (:meth:`_write_gated`): the hand-off to a source's thread overlaps the begins
+        and the read instead of following them, and none comes between buckets.
         """
         groups = self.topology.direct_groups()
         if not groups:
@@ -465,11 +465,12 @@ class Push:
         sources = {i: cast("WritingSource", self._sources[i]) for i in groups}
         names = {i: [m.name for m in ms] for i, ms in groups.items()}
         count = sum(len(ms) for ms in groups.values())
-        batches = write_batches(self.topology.plan.buckets, self._options.write_batch_bytes)
+        buckets = self.topology.plan.buckets
+        batches = write_batches(buckets, self._options.write_batch_bytes)
         if all(_takes_gated_writes(type(s)) for s in sources.values()):
-            if not await self._write_first(batches[0], sources, names, count):
+            if not await self._write_gated(tuple(buckets), sources, names, count):
                 return  # the plan no longer holds: nothing was written
-            batches = batches[1:]
+            batches = []
         else:
             await self._read.wait()
             await self._begun.wait()
@@ -486,19 +487,20 @@ class Push:
         with self._recorder.writing((), "direct", count):
             await _each([partial(s.flush, wait=False) for s in sources.values()])
 
-    async def _write_first(
+    async def _write_gated(
         self,
-        batch: tuple[Bucket, ...],
+        buckets: tuple[Bucket, ...],
         sources: dict[int, WritingSource],
         names: dict[int, list[str]],
         count: int,
     ) -> bool:
-        """Hand ``batch`` to every source before the workers began, behind one gate:
-        opened once they all began and the plan holds, shut if it does not, or if the
-        push fails or is cancelled first (the sources then write nothing and return).
-        Whether it was written."""
+        """Hand every bucket to every source before the workers began, behind one
+        gate: opened once they all began and the plan holds; shut if it does not, or
+        if the push fails or is cancelled first (the sources then write nothing and
+        return); shut after it opened if the push fails or is cancelled meanwhile (the
+        sources stop before their next bucket). Whether it was written."""
         gate = WriteGate()
-        records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in batch]
+        records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in buckets]
         with self._recorder.writing(records, "direct", count) as timer:
 
             async def open_when_begun() -> None:
@@ -509,29 +511,31 @@ class Push:
                         self._written = True  # from here on the workers' memory may change
                         timer.restart()  # the writes' time starts at the gate
                         gate.open()
+                        await anyio.sleep_forever()  # until the writes return
                 finally:
-                    gate.shut()  # not held, or cancelled first: nothing is written
+                    gate.shut()  # not held, or cancelled: no (further) bucket is written
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(open_when_begun)
                 written = await _each_result(
                     [
-                        partial(cast("GatedWritingSource", s).write_gated, batch, names[i], gate)
+                        partial(cast("GatedWritingSource", s).write_gated, buckets, names[i], gate)
                         for i, s in sources.items()
                     ]
                 )
+                tg.cancel_scope.cancel()
             if not all(written):
                 # A gate shut by a cancellation: the writes were not cancellable (each
-                # waited in its source's thread), the cancellation is delivered here.
+                # ran in its source's thread), the cancellation is delivered here.
                 await anyio.lowlevel.checkpoint()
                 if not self._held:
                     timer.discard()  # nothing was written
                     return False
-                # The gate was open: a source that breaks its contract.
+                # The gate stayed open: a source that breaks its contract.
                 source = next(i for i, wrote in zip(sources, written, strict=True) if not wrote)
                 raise TransportError(
-                    f"trainer source {self.topology.infos[source].name!r} wrote nothing of "
-                    f"bucket {batch[0].index} though every worker began"
+                    f"trainer source {self.topology.infos[source].name!r} did not write "
+                    "every bucket though every worker began"
                 )
         return True
 

@@ -150,8 +150,9 @@ class DirectWriter:
     ) -> bool:
         """:meth:`write`, handed to the source's thread before the workers began (and
         before the push read the trainer's tensors): the thread waits for ``gate``,
-        then writes at once. ``False``, with nothing written, if the gate is shut (see
-        :class:`~asyncrefit.abc.GatedWritingSource`)."""
+        then writes at once, bucket after bucket while the gate is not stopped.
+        ``False`` if the gate was shut (nothing written) or stopped before the last
+        bucket (see :class:`~asyncrefit.abc.GatedWritingSource`)."""
         return await anyio.to_thread.run_sync(
             self._write_all, tuple(buckets), tuple(workers), gate, limiter=self._limiter
         )
@@ -175,7 +176,8 @@ class DirectWriter:
     def _write_all(
         self, buckets: tuple[Bucket, ...], workers: tuple[str, ...], gate: WriteGate | None
     ) -> bool:
-        """Write every bucket (after ``gate`` opened, if any: ``False`` if it was shut).
+        """Write every bucket (after ``gate`` opened, if any: ``False`` if it was shut
+        first, or stopped before the last bucket).
 
         The gate is waited for first: the trainer's tensors to write are those the
         push read, which it may not have read yet.
@@ -184,6 +186,8 @@ class DirectWriter:
             return False  # nothing was written
         self._unended.update(workers)
         for bucket in buckets:
+            if gate is not None and gate.stopped:
+                return False  # the push failed or was cancelled: no further bucket
             with self._buffer_lock:
                 self._issue(bucket, self._prepare(bucket, workers))
         with self._buffer_lock:
