@@ -15,11 +15,15 @@ and pushes it into ``n`` local worker processes on the same device, for every ``
   the physical limit of a push: every byte written once into every consumer;
 - **direct write**: workers started with ``shared_parameters=True``; the
   coordinator's :class:`~asyncrefit.LocalTrainer` writes each tensor straight into the
-  workers' exported parameters. Zero staging bytes;
+  workers' exported parameters (begun ahead, every bucket handed to its thread at a
+  gate while the workers begin). Zero staging bytes;
 - **direct, read first**: the same workers and writes, but each push reads the
   trainer's tensors before it begins the workers (as pushes did before they began
   ahead: the read and the begins one after the other). The baseline of the begin
   ahead; its pushes alternate with the direct write's, into the same workers;
+- **direct, ungated**: the same, begun ahead, but the buckets handed to the trainer's
+  thread in batches of up to the budget once every worker began (as pushes did before
+  gated writes), also alternating;
 - **staged**: workers without shared parameters; the trainer packs each bucket into a
   staging slot (shared memory on the CPU, ``CudaIpcExporter`` on a GPU) and each
   worker copies it out: two copies per byte, two slots of ``--bucket-mib``.
@@ -148,6 +152,16 @@ def limit_seconds(params: Sequence[torch.Tensor], consumers: int, repeats: int) 
     return times
 
 
+#: The ways a direct push is run, alternating push by push: the library's own
+#: ("direct write": begun ahead, every bucket handed to the trainer's thread at a gate
+#: while the workers begin) and its earlier forms, as baselines in the same run.
+MODES = {
+    "direct write": {"ahead": True, "gated": True},
+    "direct, read first": {"ahead": False, "gated": True},
+    "direct, ungated": {"ahead": True, "gated": False},
+}
+
+
 async def time_pushes(
     model: torch.nn.Module,
     workers: Sequence[LocalWorker],
@@ -157,36 +171,44 @@ async def time_pushes(
     repeats: int,
     timeline: int = 0,
     *,
-    modes: Sequence[bool] = (True,),
-) -> dict[bool, dict[str, Any]]:
-    """Time pushes, by mode: ``True`` begun ahead, ``False`` read first (the baseline).
+    modes: Sequence[str] = ("direct write",),
+) -> dict[str, dict[str, Any]]:
+    """Time pushes, by mode (see :data:`MODES`; the first one is traced).
 
-    With both modes the pushes alternate between them (one coordinator, the same
+    With several modes the pushes alternate between them (one coordinator, the same
     workers), so drift and the order of rows weigh on both alike.
     """
-    times: dict[bool, list[float]] = {m: [] for m in modes}
-    stages: dict[bool, list[dict[str, float]]] = {m: [] for m in modes}
+    from asyncrefit._core import _push
+
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    stages: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     traced = PushTimeline()
+    gated_writes = _push._takes_gated_writes
     async with RefitCoordinator(
         trainer=make_trainer(), workers=workers, budget_bytes=budget, timeout=600
     ) as refit:
-        ahead = [True]
+        current = [MODES[modes[0]]]
         begins_ahead = refit._begins_ahead
-        refit._begins_ahead = lambda: ahead[0] and begins_ahead()  # type: ignore[method-assign]
-        pushes = (warmup + repeats) * len(modes)
-        for v in range(1, pushes + 1):
-            mode = ahead[0] = modes[(v - 1) % len(modes)]
-            await anyio.to_thread.run_sync(fill, model, v)
-            start = time.perf_counter()
-            report = await refit.push(v)
-            if v > warmup * len(modes):
-                times[mode].append(time.perf_counter() - start)
-                stages[mode].append(dataclasses.asdict(report.stages))
-        ahead[0] = True
-        with traced:  # after the timed pushes: its wrappers are in none of them
-            for version in range(v + 1, v + 1 + timeline):
-                await anyio.to_thread.run_sync(fill, model, version)
-                await refit.push(version)
+        refit._begins_ahead = lambda: current[0]["ahead"] and begins_ahead()  # type: ignore[method-assign]
+        _push._takes_gated_writes = lambda kind: current[0]["gated"] and gated_writes(kind)  # type: ignore[assignment]
+        try:
+            pushes = (warmup + repeats) * len(modes)
+            for v in range(1, pushes + 1):
+                mode = modes[(v - 1) % len(modes)]
+                current[0] = MODES[mode]
+                await anyio.to_thread.run_sync(fill, model, v)
+                start = time.perf_counter()
+                report = await refit.push(v)
+                if v > warmup * len(modes):
+                    times[mode].append(time.perf_counter() - start)
+                    stages[mode].append(dataclasses.asdict(report.stages))
+            current[0] = MODES[modes[0]]
+            with traced:  # after the timed pushes: its wrappers are in none of them
+                for version in range(v + 1, v + 1 + timeline):
+                    await anyio.to_thread.run_sync(fill, model, version)
+                    await refit.push(version)
+        finally:
+            _push._takes_gated_writes = gated_writes  # type: ignore[assignment]
         want = checksums(list(model.parameters()))
         for w in workers:
             got = await w.forward(None)
@@ -201,8 +223,8 @@ async def time_pushes(
             "peak_budget_bytes": report.peak_budget_bytes,
             "transports": report.bytes_per_transport,
             "buckets": report.buckets,
-            "timeline": traced.summary() if timeline and mode else [],
-            "timeline_table": traced.table() if timeline and mode else "",
+            "timeline": traced.summary() if timeline and mode == modes[0] else [],
+            "timeline_table": traced.table() if timeline and mode == modes[0] else "",
         }
         for mode in modes
     }
@@ -249,8 +271,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     def trainer() -> LocalTrainer:
                         return LocalTrainer(model)
 
-                # Direct write into the same workers, pushes alternating between
-                # begun ahead and read first.
+                # Direct write into the same workers, pushes alternating between the
+                # library's way and its baselines (MODES).
                 results = await time_pushes(
                     model,
                     workers,
@@ -259,10 +281,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     args.warmup,
                     args.repeats,
                     args.timeline if shared else 0,
-                    modes=(True, False) if shared else (True,),
+                    modes=tuple(MODES) if shared else ("direct write",),
                 )
             for mode, result in results.items():
-                label = name if mode else "direct, read first"
+                label = mode if shared else name
                 result["consumers"] = n
                 rows[f"{n}: {label}"] = result
                 ms = statistics.median(result["seconds"]) * 1e3
