@@ -250,3 +250,23 @@ async def test_a_push_cancelled_while_it_writes_stops_at_the_next_bucket() -> No
             await refit.push(3)
             assert all(w.equals(model) for w in workers)
     assert own_segments() == []
+
+
+def test_the_gate_is_decided_once() -> None:
+    """Opened, a gate lets a thread's wait go and stops it only once shut; shut first,
+    it stays shut (an open after that lets nothing go)."""
+    opened = WriteGate()
+    seen: list[bool] = []
+    waiter = threading.Thread(target=lambda: seen.append(opened.wait()))
+    waiter.start()
+    assert not opened.decided
+    opened.open()
+    waiter.join(5)
+    assert seen == [True] and opened.wait() and not opened.stopped
+    opened.shut()
+    assert opened.stopped and opened.wait()  # the writes began: they stop
+    shut = WriteGate()
+    shut.shut()
+    shut.open()
+    assert shut.decided and not shut.wait() and not shut.stopped
+    assert "shut" in repr(shut) and "stopped" in repr(opened)
