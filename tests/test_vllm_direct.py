@@ -183,19 +183,20 @@ async def test_a_cancelled_direct_push_resumes_the_engine_and_is_honest(
     ):
         perturb(model, seed=50)
         written = anyio.Event()
-        original = refit._sources[0].write  # type: ignore[attr-defined]
+        original = refit._sources[0].write_gated  # type: ignore[attr-defined]
 
-        async def write(*args: object, **kwargs: object) -> None:
-            await original(*args, **kwargs)
+        async def write_gated(*args: object, **kwargs: object) -> bool:
+            wrote: bool = await original(*args, **kwargs)
             written.set()
             await anyio.sleep_forever()
+            return wrote
 
-        refit._sources[0].write = write  # type: ignore[attr-defined]
+        refit._sources[0].write_gated = write_gated  # type: ignore[attr-defined]
         async with anyio.create_task_group() as tg:
             tg.start_soon(refit.push, 50)
             await written.wait()
             tg.cancel_scope.cancel()
-        del refit._sources[0].write  # type: ignore[attr-defined]
+        del refit._sources[0].write_gated  # type: ignore[attr-defined]
         assert llm.llm_engine.get_weight_version() == "incomplete-50"
         prompts = [list(p) for p in PROMPTS]
         await anyio.to_thread.run_sync(tokens, llm, prompts)  # generation was resumed
