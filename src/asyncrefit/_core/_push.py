@@ -95,7 +95,8 @@ class PushOptions:
     cleanup_timeout: float
     broadcast_all: bool
     verify: bool
-    #: At most this much payload is written into direct workers by one source call.
+    #: At most this much payload is written into direct workers by one source call
+    #: (of a source without gated writes: those get every bucket in one call).
     write_batch_bytes: int = 1 << 30
 
 
@@ -105,6 +106,7 @@ class PushOptions:
 #: a CPU) and sets how many calls a remote source gets per push. Measured on Ray, 32
 #: actors x 8 buckets of 2 MiB: a call per two buckets (the budget) cost the driver
 #: 4 more actor calls per push than one call for all, about 15% of its CPU per push.
+#: A source with gated writes is not batched: it stops between buckets when told.
 WRITE_BATCH_MIN_BYTES = 64 << 20
 
 
