@@ -15,11 +15,13 @@ and the sources' end of push are shielded from cancellation and bounded in time.
 
 Workers written directly (``topology.direct``) are told to begin, then their source
 writes every bucket into them in plan order (no slot, no request per bucket), then
-they commit: two calls per worker per push. On a GPU the commit goes as soon as the
-writes are issued: the source records the worker's completion event after them, and
-the worker waits for it before it commits. A failure aborts them like the others
-(once the source waited for every write it issued); a worker that died meanwhile is
-found at its commit (or abort).
+they commit: two calls per worker per push. A source with gated writes is handed every
+bucket while the workers begin, and its thread waits at a :class:`WriteGate` the push
+opens once they all began (and the plan holds), or shuts: nothing is written before.
+On a GPU the commit goes as soon as the writes are issued: the source records the
+worker's completion event after them, and the worker waits for it before it commits.
+A failure aborts them like the others (once the source waited for every write it
+issued); a worker that died meanwhile is found at its commit (or abort).
 
 A push over a topology that begins ahead (every worker written directly and able to
 take a begin back: :attr:`Topology.begins_ahead`) begins its workers while the
