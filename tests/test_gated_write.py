@@ -97,6 +97,13 @@ def held_bytes(worker: SlowRestoring | SlowPlain) -> dict[str, str]:
     return {n: tensor_digest(t) for n, t in worker.parameters.items()}
 
 
+async def until_handed_over(gates: list[WriteGate], count: int, held: HeldBegin) -> None:
+    """Wait until the trainer was handed the write of push ``count`` (its gate is the
+    ``count``-th) and the held begin is waiting."""
+    await until(lambda: len(gates) == count, f"push {count}'s gated write")
+    await held.waiting.wait()
+
+
 async def until(condition: object, what: str) -> None:
     for _ in range(5000):
         if callable(condition) and condition():
@@ -129,8 +136,7 @@ async def test_the_first_write_waits_at_the_gate_until_every_worker_began(restor
             step(model, 2)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(refit.push, 2)
-                await until(lambda: len(gates) == 2, "the second push's gated write")
-                await held.waiting.wait()
+                await until_handed_over(gates, 2, held)
                 await anyio.sleep(0.05)  # the trainer's thread waits at the gate
                 assert not gates[1].decided
                 assert [held_bytes(w) for w in workers] == before
@@ -160,8 +166,7 @@ async def test_a_push_cancelled_at_the_gate_writes_nothing_and_returns() -> None
             with anyio.fail_after(10):  # a thread left at the gate would hang here
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(refit.push, 2)
-                    await until(lambda: len(gates) == 2, "the second push's gated write")
-                    await held.waiting.wait()
+                    await until_handed_over(gates, 2, held)
                     tg.cancel_scope.cancel()
             assert gates[1].decided and not gates[1].wait()  # shut
             assert [held_bytes(w) for w in workers] == before
@@ -190,8 +195,7 @@ async def test_a_begin_refused_at_the_gate_writes_nothing() -> None:
             step(model, 2)
 
             async def release_once_handed_over() -> None:
-                await until(lambda: len(gates) == 2, "the second push's gated write")
-                await held.waiting.wait()
+                await until_handed_over(gates, 2, held)
                 held.released.set()
 
             async with anyio.create_task_group() as tg:
