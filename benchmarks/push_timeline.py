@@ -16,9 +16,10 @@ mark (:meth:`PushTimeline.table`)::
 A mark ``write<#2`` is the second start of a source write in the push; ``at`` is its
 median time since the push began and ``step`` the median time since the mark before it.
 ``gate<`` is when the push opened the gate its first write waited at (every worker
-began), ``issue<#k`` when the source's thread starts issuing the copies of the k-th
-bucket. The GPU's own activity is not seen: on a GPU, the copies start some
-microseconds after ``issue<#1`` and end before ``commit>``.
+began), ``bucket<#k`` when the source's thread starts writing the k-th bucket (reads
+which tensors go where, then issues the copies). The GPU's own activity is not seen:
+on a GPU, the copies start some microseconds after ``bucket<#1`` and end before
+``commit>``.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class PushTimeline:
         self._wrap_async(_direct.DirectWriter, "write_gated", "write")
         self._wrap_sync(_direct.DirectWriter, "_write_all", "thread")
         self._wrap_sync(WriteGate, "open", "gate")
-        self._wrap_sync(_direct.DirectWriter, "_issue", "issue")
+        self._wrap_sync(_direct.DirectWriter, "_write", "bucket")
         self._wrap_async(_direct.DirectWriter, "flush", "flush")
         self._wrap_async(_push.Push, "_commit", "commit")
         try:

@@ -221,10 +221,10 @@ async def test_a_push_cancelled_while_it_writes_stops_at_the_next_bucket() -> No
     gates = gates_of(trainer)
     issued: list[int] = []
     first_issued, go_on = threading.Event(), threading.Event()
-    issue = trainer._issue
+    write = trainer._write
 
-    def counted(bucket: Bucket, prepared: Any) -> None:
-        issue(bucket, prepared)
+    def counted(bucket: Bucket, workers: Any) -> None:
+        write(bucket, workers)
         issued.append(bucket.index)
         if len(issued) == 1:
             first_issued.set()
@@ -237,7 +237,7 @@ async def test_a_push_cancelled_while_it_writes_stops_at_the_next_bucket() -> No
             assert refit.plan is not None and len(refit.plan.buckets) > 2
             step(model, 1)
             await refit.push(1)
-            trainer._issue = counted  # type: ignore[method-assign]
+            trainer._write = counted  # type: ignore[method-assign]
             step(model, 2)
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
@@ -249,7 +249,7 @@ async def test_a_push_cancelled_while_it_writes_stops_at_the_next_bucket() -> No
                         go_on.set()
             assert issued == [0]  # no further bucket
             assert refit.versions() == {"w0": None, "w1": None}
-            trainer._issue = issue  # type: ignore[method-assign]
+            trainer._write = write  # type: ignore[method-assign]
             step(model, 3)
             await refit.push(3)
             assert all(w.equals(model) for w in workers)

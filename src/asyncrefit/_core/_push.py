@@ -147,10 +147,8 @@ async def _each(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> N
 
 async def _each_result(calls: Sequence[Callable[[], Coroutine[Any, Any, T]]]) -> list[T]:
     """:func:`_each`, keeping what each call returned (in the order of ``calls``)."""
-    results: list[T] = []
     if len(calls) == 1:
-        results.append(await calls[0]())
-        return results
+        return [await calls[0]()]
     slots: dict[int, T] = {}
 
     async def one(k: int) -> None:
@@ -470,12 +468,12 @@ class Push:
         names = {i: [m.name for m in ms] for i, ms in groups.items()}
         count = sum(len(ms) for ms in groups.values())
         buckets = self.topology.plan.buckets
-        batches = write_batches(buckets, self._options.write_batch_bytes)
+        batches: list[tuple[Bucket, ...]] = []
         if all(_takes_gated_writes(type(s)) for s in sources.values()):
             if not await self._write_gated(tuple(buckets), sources, names, count):
                 return  # the plan no longer holds: nothing was written
-            batches = []
         else:
+            batches = write_batches(buckets, self._options.write_batch_bytes)
             await self._read.wait()
             await self._begun.wait()
             if not self._held:

@@ -188,8 +188,7 @@ class DirectWriter:
         for bucket in buckets:
             if gate is not None and gate.stopped:
                 return False  # the push failed or was cancelled: no further bucket
-            with self._buffer_lock:
-                self._issue(bucket, self._prepare(bucket, workers))
+            self._write(bucket, workers)
         with self._buffer_lock:
             for worker in workers:
                 opened = self._attached.get(worker)
@@ -200,47 +199,36 @@ class DirectWriter:
                     self._unended.discard(worker)
         return True
 
-    def _prepare(self, bucket: Bucket, workers: tuple[str, ...]) -> _Prepared:
-        """What writing ``bucket`` into ``workers`` takes: every place (known from an
-        earlier push, or found now), whether one ``_foreach_copy_`` writes them all, the
-        trainer's tensors and the block of one written into each place (under the
-        buffer lock)."""
+    def _write(self, bucket: Bucket, workers: tuple[str, ...]) -> None:
         import torch
 
-        key = (bucket.index, workers)
-        known = self._targets.get(key)
-        if known is None:
-            places = self._places(bucket, workers)
-            known = self._targets[key] = (places, _one_call(places))
-        targets, one_call = known
-        sources = self._sources(bucket, self._read())
-        with torch.no_grad():
-            plain = [_block(sources[i], box) for _, i, box in targets]
-        return targets, one_call, sources, plain
-
-    def _issue(self, bucket: Bucket, prepared: _Prepared) -> None:
-        """Write what :meth:`_prepare` found (under the buffer lock)."""
-        import torch
-
-        targets, one_call, sources, plain = prepared
-        with torch.no_grad():
-            if one_call and all(isinstance(t, torch.Tensor) for t in plain):
+        with self._buffer_lock:
+            key = (bucket.index, workers)
+            known = self._targets.get(key)
+            if known is None:
+                places = self._places(bucket, workers)
+                known = self._targets[key] = (places, _one_call(places))
+            targets, one_call = known
+            sources = self._sources(bucket, self._read())
+            with torch.no_grad():
+                plain = [_block(sources[i], box) for _, i, box in targets]
+                if one_call and all(isinstance(t, torch.Tensor) for t in plain):
+                    try:
+                        torch._foreach_copy_([d for d, _, _ in targets], plain)  # type: ignore[arg-type]
+                        return
+                    except Exception:
+                        pass  # one by one below: the failure then names its parameter
+                entries, done = bucket.entries, 0
                 try:
-                    torch._foreach_copy_([d for d, _, _ in targets], plain)  # type: ignore[arg-type]
-                    return
+                    for (dst, i, box), source in zip(targets, plain, strict=True):
+                        if box is not None and source is sources[i]:  # a block to cut
+                            source = self._materialized(sources[i], dst.device, entries[i].name)
+                            source = source[box]
+                        self._copy_into(dst, source, entries[i].name)
+                        done += 1
                 except Exception:
-                    pass  # one by one below: the failure then names its parameter
-            entries, done = bucket.entries, 0
-            try:
-                for (dst, i, box), source in zip(targets, plain, strict=True):
-                    if box is not None and source is sources[i]:  # a block to cut
-                        source = self._materialized(sources[i], dst.device, entries[i].name)
-                        source = source[box]
-                    self._copy_into(dst, source, entries[i].name)
-                    done += 1
-            except Exception:
-                with self._packing(bucket.index, entries[targets[done][1]]):
-                    raise
+                    with self._packing(bucket.index, entries[targets[done][1]]):
+                        raise
 
     def _sources(
         self, bucket: Bucket, tensors: Mapping[str, torch.Tensor]
@@ -290,10 +278,6 @@ class DirectWriter:
 #: the block of the entry's tensor (as sent: rows of a part) written there (``None``:
 #: all of it).
 Target = tuple["torch.Tensor", int, "tuple[slice, ...] | None"]
-
-#: A bucket's write, found and not issued: its targets, whether one ``_foreach_copy_``
-#: writes them, the trainer's tensor of each entry, and the block of one for each target.
-_Prepared = tuple[list[Target], bool, list["torch.Tensor | Lazy"], list["torch.Tensor | Lazy"]]
 
 
 def _cut(
