@@ -12,7 +12,10 @@ and pushes it into ``n`` local worker processes on the same device, for every ``
 - **one-copy limit**: the same tensors copied once into each of ``n`` scratch sets in
   this process (``Tensor.copy_``, as the trainer's write does; on a GPU timed by CUDA
   events, on the CPU by the wall clock; torch's threads as the push has them). That is
-  the physical limit of a push: every byte written once into every consumer;
+  the limit of a push as the issue defines it: every byte written once into every
+  consumer, tensor by tensor;
+- **flat memcpy**: the same bytes as one flat ``copy_`` per consumer, with no
+  per-tensor cost at all: the hardware's limit (``x memcpy`` in the table);
 - **direct write**: workers started with ``shared_parameters=True``; the
   coordinator's :class:`~asyncrefit.LocalTrainer` writes each tensor straight into the
   workers' exported parameters (begun ahead, every bucket handed to its thread at a
@@ -24,6 +27,9 @@ and pushes it into ``n`` local worker processes on the same device, for every ``
 - **direct, ungated**: the same, begun ahead, but the buckets handed to the trainer's
   thread in batches of up to the budget once every worker began (as pushes did before
   gated writes), also alternating;
+- **direct, 1 stream** and **direct, 4 streams**: the direct write with its copies on
+  one CUDA stream (as pushes did before they spread them over two) and on four, also
+  alternating (GPU only);
 - **staged**: workers without shared parameters; the trainer packs each bucket into a
   staging slot (shared memory on the CPU, ``CudaIpcExporter`` on a GPU) and each
   worker copies it out: two copies per byte, two slots of ``--bucket-mib``.
@@ -123,10 +129,19 @@ def fill(module: torch.nn.Module, seed: int) -> None:
         torch.cuda.synchronize()
 
 
-def limit_seconds(params: Sequence[torch.Tensor], consumers: int, repeats: int) -> list[float]:
-    """One copy of every tensor into each of ``consumers`` scratch sets, per repeat."""
-    scratch = [[torch.empty_like(p) for p in params] for _ in range(consumers)]
+def limit_seconds(
+    params: Sequence[torch.Tensor], consumers: int, repeats: int, *, flat: bool = False
+) -> list[float]:
+    """One copy of every tensor into each of ``consumers`` scratch sets, per repeat
+    (``flat``: of all their bytes as one buffer, into one scratch buffer per consumer)."""
     cuda = params[0].device.type == "cuda"
+    if flat:
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        sources = [torch.empty(nbytes, dtype=torch.uint8, device=params[0].device)]
+        scratch = [[torch.empty_like(sources[0])] for _ in range(consumers)]
+    else:
+        sources = list(params)
+        scratch = [[torch.empty_like(p) for p in params] for _ in range(consumers)]
 
     def once() -> float:
         if cuda:
@@ -136,7 +151,7 @@ def limit_seconds(params: Sequence[torch.Tensor], consumers: int, repeats: int) 
         start = time.perf_counter()
         with torch.no_grad():
             for dsts in scratch:
-                for d, s in zip(dsts, params, strict=True):
+                for d, s in zip(dsts, sources, strict=True):
                     d.copy_(s)
         if cuda:
             end.record()
@@ -147,6 +162,7 @@ def limit_seconds(params: Sequence[torch.Tensor], consumers: int, repeats: int) 
     once()
     times = [once() for _ in range(repeats)]
     scratch.clear()
+    sources.clear()
     if cuda:
         torch.cuda.empty_cache()
     return times
@@ -155,11 +171,15 @@ def limit_seconds(params: Sequence[torch.Tensor], consumers: int, repeats: int) 
 #: The ways a direct push is run, alternating push by push: the library's own
 #: ("direct write": begun ahead, every bucket handed to the trainer's thread at a gate
 #: while the workers begin) and its earlier forms, as baselines in the same run.
-MODES = {
-    "direct write": {"ahead": True, "gated": True},
-    "direct, read first": {"ahead": False, "gated": True},
-    "direct, ungated": {"ahead": True, "gated": False},
+MODES: dict[str, dict[str, Any]] = {
+    "direct write": {"ahead": True, "gated": True, "streams": None},
+    "direct, read first": {"ahead": False, "gated": True, "streams": None},
+    "direct, ungated": {"ahead": True, "gated": False, "streams": None},
+    "direct, 1 stream": {"ahead": True, "gated": True, "streams": 1},
+    "direct, 4 streams": {"ahead": True, "gated": True, "streams": 4},
 }
+#: The modes that differ only on a GPU (the CPU has no streams).
+GPU_MODES = ("direct, 1 stream", "direct, 4 streams")
 
 
 async def time_pushes(
@@ -184,8 +204,15 @@ async def time_pushes(
     stages: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     traced = PushTimeline()
     gated_writes = _push._takes_gated_writes
+    source = make_trainer()
+    streams = source._copy_streams
+
+    def use(mode: str) -> None:
+        current[0] = MODES[mode]
+        source._copy_streams = current[0]["streams"] or streams
+
     async with RefitCoordinator(
-        trainer=make_trainer(), workers=workers, budget_bytes=budget, timeout=600
+        trainer=source, workers=workers, budget_bytes=budget, timeout=600
     ) as refit:
         current = [MODES[modes[0]]]
         begins_ahead = refit._begins_ahead
@@ -195,14 +222,14 @@ async def time_pushes(
             pushes = (warmup + repeats) * len(modes)
             for v in range(1, pushes + 1):
                 mode = modes[(v - 1) % len(modes)]
-                current[0] = MODES[mode]
+                use(mode)
                 await anyio.to_thread.run_sync(fill, model, v)
                 start = time.perf_counter()
                 report = await refit.push(v)
                 if v > warmup * len(modes):
                     times[mode].append(time.perf_counter() - start)
                     stages[mode].append(dataclasses.asdict(report.stages))
-            current[0] = MODES[modes[0]]
+            use(modes[0])
             with traced:  # after the timed pushes: its wrappers are in none of them
                 for version in range(v + 1, v + 1 + timeline):
                     await anyio.to_thread.run_sync(fill, model, version)
@@ -250,11 +277,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         dev = cuda_device(0)
     rows: dict[str, Any] = {}
+    modes = tuple(m for m in MODES if cuda or m not in GPU_MODES)
     for n in args.consumers:
         print(f"-- {n} consumer(s)", file=sys.stderr, flush=True)
         limit = limit_seconds(params, n, args.repeats)
         rows[f"{n}: one-copy limit"] = {"consumers": n, "seconds": limit, "staging_bytes": 0}
         print(f"   one-copy limit: {statistics.median(limit) * 1e3:.2f} ms", file=sys.stderr)
+        flat = limit_seconds(params, n, args.repeats, flat=True)
+        rows[f"{n}: flat memcpy"] = {
+            "consumers": n,
+            "seconds": flat,
+            "staging_bytes": 0,
+            "memcpy": True,
+        }
+        print(f"   flat memcpy: {statistics.median(flat) * 1e3:.2f} ms", file=sys.stderr)
         devices = [dev] * n if dev is not None else None
         factory = functools.partial(make_model, shape)
         for name, shared in (("direct write", True), ("staged", False)):
@@ -281,7 +317,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     args.warmup,
                     args.repeats,
                     args.timeline if shared else 0,
-                    modes=tuple(MODES) if shared else ("direct write",),
+                    modes=modes if shared else ("direct write",),
                 )
             for mode, result in results.items():
                 label = mode if shared else name
@@ -312,6 +348,7 @@ def format_table(result: dict[str, Any]) -> str:
         Column("min-max ms", 16),
         Column("GB/s written", 13, ".1f"),
         Column("x one-copy", 11, ".3f"),
+        Column("x memcpy", 9, ".3f"),
         Column("staging MiB", 12, ".0f"),
     ]
     payload = result["payload_bytes"]
@@ -320,6 +357,11 @@ def format_table(result: dict[str, Any]) -> str:
         r["consumers"]: statistics.median(r["seconds"])
         for k, r in result["rows"].items()
         if k.endswith("limit")
+    }
+    memcpy = {
+        r["consumers"]: statistics.median(r["seconds"])
+        for r in result["rows"].values()
+        if r.get("memcpy")
     }
     for key, r in result["rows"].items():
         s = r["seconds"]
@@ -332,6 +374,7 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{min(s) * 1e3:.2f}-{max(s) * 1e3:.2f}",
                 payload * n / med / 1e9,
                 limits[n] / med,
+                memcpy[n] / med if n in memcpy else "-",
                 r["staging_bytes"] / MIB,
             ]
         )

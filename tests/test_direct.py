@@ -567,6 +567,43 @@ async def test_gpu_workers_commit_after_the_writes_the_trainer_did_not_wait_for(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run with -m gpu on a GPU machine)")
+async def test_gpu_copies_on_side_streams_follow_the_trainers_queued_work() -> None:
+    """The trainer's new values are still queued behind a long kernel on its stream
+    when the push starts; the copies spread over two streams, and those on the side
+    stream must wait for that work too: every worker holds the new values."""
+    from asyncrefit._cuda import cuda_device
+
+    from .gpu_models import make_gpu_medium
+
+    model = make_gpu_medium()
+    dev = cuda_device(0)
+    lanes: list[object] = []
+    async with spawn_local_workers(
+        make_gpu_medium, 2, devices=[dev, dev], shared_parameters=True
+    ) as workers:
+        trainer = LocalTrainer(model, devices=[dev])
+        fork = trainer._fork
+
+        def spy(names: tuple[str, ...]) -> list[Any] | None:
+            forked = fork(names)
+            lanes.append(forked and len(forked))
+            return forked
+
+        trainer._fork = spy  # type: ignore[method-assign,assignment]
+        async with RefitCoordinator(
+            trainer=trainer, workers=workers, budget_bytes=32 << 20
+        ) as refit:
+            for version in (1, 2, 3):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s
+                step(model, version)  # queued behind it, on this thread's stream
+                await refit.push(version)
+                await assert_hold(workers, model, version)
+    assert lanes == [2, 2, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run with -m gpu on a GPU machine)")
 @pytest.mark.timeout(120)
 def test_a_worker_never_commits_writes_of_a_trainer_that_died_before_they_ran() -> None:
     """The trainer records the worker's event after gigabytes of writes and exits at

@@ -223,8 +223,8 @@ async def test_a_push_cancelled_while_it_writes_stops_at_the_next_bucket() -> No
     first_issued, go_on = threading.Event(), threading.Event()
     write = trainer._write
 
-    def counted(bucket: Bucket, workers: Any) -> None:
-        write(bucket, workers)
+    def counted(bucket: Bucket, workers: Any, lanes: Any) -> None:
+        write(bucket, workers, lanes)
         issued.append(bucket.index)
         if len(issued) == 1:
             first_issued.set()
