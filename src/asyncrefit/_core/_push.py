@@ -301,6 +301,9 @@ class Push:
         self._begun = anyio.Event()  # every worker began: buckets may be sent
         self._held = True  # the plan holds for the trainer's tensors (see _read_ahead)
         self._read = anyio.Event()  # _held is known (set now unless the push reads ahead)
+        # Opens the gate of gated writes (see _write_gated), called the moment the push
+        # is ready to write (_ready): no task has to wake for it.
+        self._opening: Callable[[], None] | None = None
         self._announced = False  # PushBegun was emitted
         self._written = False  # a direct write may be issued: no begin can be taken back
         self._restored: set[Member] = set()  # took the begin back: hold what they held
@@ -376,11 +379,21 @@ class Push:
         self._announce()
         return None
 
+    def _ready(self) -> bool:
+        """Every worker began and the plan is known to hold: the push may write."""
+        return self._begun.is_set() and self._read.is_set() and self._held
+
     def _announce(self) -> None:
-        """Emit :class:`PushBegun` once every worker began and the plan is known to hold."""
-        if self._begun.is_set() and self._read.is_set() and self._held and not self._announced:
+        """Once the push is ready to write, emit :class:`PushBegun` (once), then open
+        the gate of gated writes: its subscribers hear of it before any write."""
+        if not self._ready():
+            return
+        if not self._announced:
             self._announced = True
             self._recorder.begun(self.topology)
+        if self._opening is not None:
+            opening, self._opening = self._opening, None
+            opening()
 
     async def take_back(self) -> None:
         """Take back the begins of a push that wrote nothing: abort every worker it
@@ -541,20 +554,28 @@ class Push:
         records = [self._recorder.bucket(b.index, -1, b.payload_bytes) for b in buckets]
         with self._recorder.writing(records, "direct", count) as timer:
 
-            async def open_when_begun() -> None:
+            def open_gate() -> None:
+                self._written = True  # from here on the workers' memory may change
+                timer.restart()  # the writes' time starts at the gate
+                gate.open()
+
+            async def shut_unless_held() -> None:
                 try:
                     await self._read.wait()
                     if self._held:
-                        await self._begun.wait()
-                        self._written = True  # from here on the workers' memory may change
-                        timer.restart()  # the writes' time starts at the gate
-                        gate.open()
                         await anyio.sleep_forever()  # until the writes return
                 finally:
+                    self._opening = None
                     gate.shut()  # not held, or cancelled: no (further) bucket is written
 
+            # Opened by _announce, from the task that answers the last begin or ends
+            # the read, whichever comes second (or now, if both came already).
+            if self._ready():
+                open_gate()
+            else:
+                self._opening = open_gate
             async with anyio.create_task_group() as tg:
-                tg.start_soon(open_when_begun)
+                tg.start_soon(shut_unless_held)
                 written = await _each_result(
                     [
                         partial(cast("GatedWritingSource", s).write_gated, buckets, names[i], gate)
