@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import anyio
 import anyio.lowlevel
 import pytest
-import torch
 
-from asyncrefit import DeviceId, LocalTrainer, PushError, RefitCoordinator, cpu_device
+from asyncrefit import DeviceId, LocalTrainer, PushError, RefitCoordinator
 from asyncrefit._core import _push
 
 from .fakes import DirectFakeWorker, Faults, direct_workers
@@ -76,77 +75,56 @@ def spin(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     yield monkeypatch
 
 
-async def timed_push(refit: RefitCoordinator, model: torch.nn.Module, version: int) -> float:
-    step(model, version)
-    start = time.perf_counter()
-    await refit.push(version)
-    return start
+async def second_push(device: str | None, hold: float = HOLD_S) -> tuple[float, float]:
+    """Two pushes into 2 fake workers (on ``device``, else the CPU) whose commits answer
+    ``hold`` seconds late: when the second one started and ended."""
+    model = make_mlp()
+    with direct_workers(SlowCommit, model, 2) as workers:
+        if device is not None:
+            on(device, workers)
+        for w in workers:
+            w.hold = hold
+        async with RefitCoordinator(
+            trainer=LocalTrainer(model), workers=workers, budget_bytes=BUDGET
+        ) as refit:
+            await refit.push(1)
+            step(model, 2)
+            start = time.perf_counter()
+            await refit.push(2)
+            end = time.perf_counter()
+            assert [w.receiver.version for w in workers] == [2, 2]
+    assert end - start >= hold
+    return start, end
 
 
 @pytest.mark.parametrize("device", ["GPU", "MIG"])
 async def test_the_loop_turns_while_gpu_workers_commit(
     spin: pytest.MonkeyPatch, device: str
 ) -> None:
-    model = make_mlp()
     turns = Turns(spin)
-    with direct_workers(SlowCommit, model, 2) as workers:
-        on(device, workers)
-        async with RefitCoordinator(
-            trainer=LocalTrainer(model), workers=workers, budget_bytes=BUDGET
-        ) as refit:
-            await refit.push(1)
-            start = await timed_push(refit, model, 2)
-            end = time.perf_counter()
-            assert [w.receiver.version for w in workers] == [2, 2]
+    start, end = await second_push(device)
     # The commits took HOLD_S; the loop turned all along (hundreds of turns), not once
     # per wake-up.
-    assert end - start >= HOLD_S
     assert turns.between(start, end) > 200
 
 
 async def test_cpu_workers_never_make_the_loop_turn(spin: pytest.MonkeyPatch) -> None:
-    model = make_mlp()
     turns = Turns(spin)
-    with direct_workers(SlowCommit, model, 2) as workers:
-        assert all(w.device == cpu_device(i) for i, w in enumerate(workers))
-        async with RefitCoordinator(
-            trainer=LocalTrainer(model), workers=workers, budget_bytes=BUDGET
-        ) as refit:
-            await refit.push(1)
-            start = await timed_push(refit, model, 2)
-            end = time.perf_counter()
+    start, end = await second_push(None)
     assert turns.between(start, end) < 100
 
 
 async def test_the_turning_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _push.SPIN_COMMIT_S == 0
-    model = make_mlp()
     turns = Turns(monkeypatch)
-    with direct_workers(SlowCommit, model, 2) as workers:
-        on("GPU", workers)
-        async with RefitCoordinator(
-            trainer=LocalTrainer(model), workers=workers, budget_bytes=BUDGET
-        ) as refit:
-            await refit.push(1)
-            start = await timed_push(refit, model, 2)
-            end = time.perf_counter()
+    start, end = await second_push("GPU")
     assert turns.between(start, end) < 100
 
 
 async def test_the_turning_stops_at_its_limit(spin: pytest.MonkeyPatch) -> None:
     spin.setattr(_push, "SPIN_COMMIT_S", 0.01)
-    model = make_mlp()
     turns = Turns(spin)
-    with direct_workers(SlowCommit, model, 2) as workers:
-        for w in on("GPU", workers):
-            w.hold = 0.3
-        async with RefitCoordinator(
-            trainer=LocalTrainer(model), workers=workers, budget_bytes=BUDGET
-        ) as refit:
-            await refit.push(1)
-            start = await timed_push(refit, model, 2)
-            end = time.perf_counter()
-    assert end - start >= 0.3
+    start, end = await second_push("GPU", hold=0.3)
     # Turning for 10 ms from the commits' start, then asleep until they answer.
     assert turns.between(start + 0.15, end - 0.01) < 50
 
