@@ -30,9 +30,6 @@ and pushes it into ``n`` local worker processes on the same device, for every ``
 - **direct, 1 stream** and **direct, 4 streams**: the direct write with its copies on
   one CUDA stream (as pushes did before they spread them over two) and on four, also
   alternating (GPU only);
-- **direct, spin commit**: the direct write with the coordinator's loop turning while
-  the workers commit (``asyncrefit._core._push.SPIN_COMMIT_S``), also alternating (GPU
-  only);
 - **staged**: workers without shared parameters; the trainer packs each bucket into a
   staging slot (shared memory on the CPU, ``CudaIpcExporter`` on a GPU) and each
   worker copies it out: two copies per byte, two slots of ``--bucket-mib``.
@@ -180,10 +177,9 @@ MODES: dict[str, dict[str, Any]] = {
     "direct, ungated": {"ahead": True, "gated": False, "streams": None},
     "direct, 1 stream": {"ahead": True, "gated": True, "streams": 1},
     "direct, 4 streams": {"ahead": True, "gated": True, "streams": 4},
-    "direct, spin commit": {"ahead": True, "gated": True, "streams": None, "spin": 1.0},
 }
 #: The modes that differ only on a GPU (the CPU has no streams).
-GPU_MODES = ("direct, 1 stream", "direct, 4 streams", "direct, spin commit")
+GPU_MODES = ("direct, 1 stream", "direct, 4 streams")
 
 
 async def time_pushes(
@@ -211,12 +207,9 @@ async def time_pushes(
     source = make_trainer()
     streams = source._copy_streams
 
-    spin = _push.SPIN_COMMIT_S
-
     def use(mode: str) -> None:
         current[0] = MODES[mode]
         source._copy_streams = current[0]["streams"] or streams
-        _push.SPIN_COMMIT_S = current[0].get("spin", spin)
 
     async with RefitCoordinator(
         trainer=source, workers=workers, budget_bytes=budget, timeout=600
@@ -243,7 +236,6 @@ async def time_pushes(
                     await refit.push(version)
         finally:
             _push._takes_gated_writes = gated_writes  # type: ignore[assignment]
-            _push.SPIN_COMMIT_S = spin
         want = checksums(list(model.parameters()))
         for w in workers:
             got = await w.forward(None)

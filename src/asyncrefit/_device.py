@@ -26,12 +26,6 @@ class DeviceId(FastPickle):
         return f"{self.node}/{self.device}"
 
 
-def is_gpu_device(device: DeviceId) -> bool:
-    """Whether ``device`` names a GPU (by its UUID, as :func:`~asyncrefit.cuda_device`
-    names it) rather than a CPU."""
-    return device.device[:4] in ("GPU-", "MIG-")
-
-
 @cache
 def local_node_id() -> str:
     """This machine's node id: its host name."""

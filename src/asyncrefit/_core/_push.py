@@ -49,9 +49,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
-import anyio.lowlevel
 
-from .._device import is_gpu_device
 from .._exceptions import (
     ClosedError,
     PeerWorkerError,
@@ -129,17 +127,6 @@ def write_batches(buckets: Sequence[Bucket], limit: int) -> list[tuple[Bucket, .
     if batch:
         batches.append(tuple(batch))
     return batches
-
-
-#: How long, at most, the coordinator's loop keeps turning (rather than sleeping in its
-#: poll) while it waits for the commits of a push that wrote a GPU worker directly; 0:
-#: it sleeps. Those commits wait for the GPU's copies, and a loop asleep for the length
-#: of the copies wakes late on their answers: a process idle for milliseconds took
-#: 0.4-0.5 ms to answer a call on an H100 host, against 0.05 ms back to back
-#: (``benchmarks/copy_issue_probe.py``). Turning costs a core meanwhile, and holds the
-#: GIL between polls (a thread of this process that needs it waits longer), so it is
-#: off until measured (``direct_write_bench.py``'s "spin commit" row).
-SPIN_COMMIT_S = 0.0
 
 
 async def _each(calls: Sequence[Callable[[], Coroutine[Any, Any, object]]]) -> None:
@@ -434,30 +421,7 @@ class Push:
         else:
             await self._transfer_staged()
         with self._recorder.committing():
-            await self._commit_all()
-
-    async def _commit_all(self) -> None:
-        """Commit every member at once (see :data:`SPIN_COMMIT_S`)."""
-        commit = partial(self._each_member, self.members, self._commit, lambda _: "commit_update")
-        spin = SPIN_COMMIT_S
-        if spin <= 0 or not any(is_gpu_device(m.device) for m in self.topology.direct):
-            await commit()
-            return
-        done = False
-
-        async def committed() -> None:
-            nonlocal done
-            try:
-                await commit()
-            finally:
-                done = True
-
-        async def turn() -> None:
-            deadline = anyio.current_time() + spin
-            while not done and anyio.current_time() < deadline:  # a loop turn each time
-                await anyio.lowlevel.checkpoint()
-
-        await _each([committed, turn])
+            await self._each_member(self.members, self._commit, lambda _: "commit_update")
 
     async def _transfer_staged(self) -> None:
         # The begins overlap the first bucket's pack; no bucket is sent before every
