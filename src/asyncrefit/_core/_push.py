@@ -534,10 +534,8 @@ class Push:
 
             # Opened by _announce, from the task that answers the last begin or ends
             # the read, whichever comes second (or now, if both came already).
-            if self._ready():
-                open_gate()
-            else:
-                self._opening = open_gate
+            self._opening = open_gate
+            self._announce()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(shut_unless_held)
                 written = await _each_result(

@@ -401,8 +401,8 @@ def _one_call(targets: list[Target]) -> bool:
 
 def _split(targets: list[Target], streams: int) -> list[list[int]] | None:
     """Which targets each of ``streams`` streams copies (indices, in write order), the
-    bytes balanced greedily; ``None``: all on one (the CPU, one stream or target)."""
-    if streams < 2 or len(targets) < 2 or targets[0][0].device.type != "cuda":
+    bytes balanced greedily; ``None``: all on one (one stream, or one target)."""
+    if streams < 2 or len(targets) < 2:
         return None
     loads = [0] * streams
     split: list[list[int]] = [[] for _ in range(streams)]
